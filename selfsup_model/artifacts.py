@@ -1,0 +1,148 @@
+"""Atomic file writes, hashing and stage manifests.
+
+Every artifact is written to a temporary name in its final directory and moved
+into place with `os.replace`, so a reader sees either the old file or the new
+one, never half of one. A stage's `manifest.json` is written last: a directory
+without a valid manifest is never trusted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from selfsup_model.errors import ArtifactError
+
+MANIFEST_NAME = "manifest.json"
+_CHUNK = 1 << 20
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path beside `path`; move it into place only on success."""
+    final = Path(path)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
+    os.close(fd)
+    tmp_path = Path(tmp)
+    try:
+        yield tmp_path
+        with open(tmp_path, "rb+") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp_path, final)
+    finally:
+        if tmp_path.exists():
+            tmp_path.unlink()
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
+    return Path(path)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    return atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> Path:
+    return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=_json_default) + "\n")
+
+
+def _json_default(obj: Any) -> Any:
+    # numpy scalars and paths turn up in counts; everything else is a bug.
+    if hasattr(obj, "item"):
+        return obj.item()
+    if isinstance(obj, os.PathLike):
+        return os.fspath(obj)
+    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def sha256_json(obj: Any) -> str:
+    """Stable hash of a JSON-able object (sorted keys), for parameter fingerprints."""
+    blob = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=_json_default)
+    return hashlib.sha256(blob.encode("utf-8")).hexdigest()
+
+
+@dataclasses.dataclass(frozen=True)
+class FileRecord:
+    sha256: str
+    size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StageManifest:
+    """What a finished stage read, how it was configured, and what it wrote."""
+
+    stage: str
+    code_version: str
+    params: dict[str, Any]
+    inputs: dict[str, str]  # artifact key ("stage/file") -> sha256
+    outputs: dict[str, FileRecord]  # file name relative to the stage dir -> record
+    counts: dict[str, Any]
+    metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
+    started_at: str = ""
+    finished_at: str = ""
+    duration_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["outputs"] = {k: dataclasses.asdict(v) for k, v in self.outputs.items()}
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StageManifest:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - fields
+        if unknown:
+            raise ArtifactError(f"manifest has unknown fields {sorted(unknown)}")
+        data = dict(data)
+        data["outputs"] = {k: FileRecord(**v) for k, v in data["outputs"].items()}
+        return cls(**data)
+
+    def write(self, stage_dir: str | os.PathLike) -> Path:
+        return atomic_write_json(Path(stage_dir) / MANIFEST_NAME, self.to_dict())
+
+
+def read_manifest(stage_dir: str | os.PathLike) -> StageManifest | None:
+    """The stage's manifest, or None when absent or unreadable (never trusted then)."""
+    path = Path(stage_dir) / MANIFEST_NAME
+    try:
+        return StageManifest.from_dict(json.loads(path.read_text("utf-8")))
+    except (OSError, ValueError, KeyError, TypeError, ArtifactError):
+        return None
+
+
+def record_outputs(stage_dir: str | os.PathLike, names: list[str]) -> dict[str, FileRecord]:
+    stage_dir = Path(stage_dir)
+    out = {}
+    for name in sorted(names):
+        path = stage_dir / name
+        out[name] = FileRecord(sha256=sha256_file(path), size=path.stat().st_size)
+    return out
+
+
+def verify_outputs(stage_dir: str | os.PathLike, manifest: StageManifest) -> list[str]:
+    """Names of recorded outputs that are missing or whose bytes changed."""
+    stage_dir = Path(stage_dir)
+    bad = []
+    for name, rec in manifest.outputs.items():
+        path = stage_dir / name
+        if not path.is_file() or path.stat().st_size != rec.size or sha256_file(path) != rec.sha256:
+            bad.append(name)
+    return bad

@@ -1,0 +1,302 @@
+"""The typed pipeline configuration, its presets and override parsing.
+
+One `PipelineConfig` holds a section per stage. Prefect renders it as a form,
+the CLI builds it from a preset + YAML file + `--set a.b=value` overrides, and
+each stage fingerprints only the sections that affect its output.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from selfsup_model.errors import UserError
+
+DEFAULT_PYDOCS_LIBRARIES = (
+    "numpy", "pandas", "scipy", "sklearn", "tensorflow", "keras",
+    "mlflow", "prefect", "sqlalchemy", "matplotlib",
+)
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+Rate = float
+
+
+class IngestConfig(_Section):
+    min_chars: int = Field(40, ge=1, description="Documents shorter than this (after normalisation) are rejected.")
+    max_chars: int = Field(200_000, ge=1, description="Longer documents are rejected as too_long.")
+    text_column: str = "text"
+    id_column: str = "id"
+    label_column: str = "label"
+    group_column: str = "group"
+    pydocs_libraries: tuple[str, ...] = DEFAULT_PYDOCS_LIBRARIES
+    pydocs_max_per_library: int | None = Field(
+        None, ge=1, description="Keep at most this many docstrings per library (deterministic: first in file order)."
+    )
+    workers: int = Field(2, ge=1, le=64)
+
+    @model_validator(mode="after")
+    def _check(self) -> IngestConfig:
+        if self.min_chars > self.max_chars:
+            raise ValueError("ingest.min_chars must not exceed ingest.max_chars")
+        return self
+
+
+class DedupConfig(_Section):
+    shingle: Literal["char", "word"] = "char"
+    shingle_size: int = Field(5, ge=1, le=32)
+    num_perm: int = Field(128, ge=16, le=1024)
+    threshold: float = Field(0.8, gt=0.0, lt=1.0)
+    batch_size: int = Field(2048, ge=1)
+    seed: int = 1
+
+
+class SplitConfig(_Section):
+    train: Rate = Field(0.8, gt=0.0, lt=1.0)
+    val: Rate = Field(0.1, gt=0.0, lt=1.0)
+    test: Rate = Field(0.1, gt=0.0, lt=1.0)
+    relatedness_threshold: float = Field(0.5, gt=0.0, lt=1.0)
+    use_groups: bool = True
+    stratify: bool = True
+    seed: int = 7
+    audit_action: Literal["fail", "warn"] = "fail"
+
+    @model_validator(mode="after")
+    def _check(self) -> SplitConfig:
+        total = self.train + self.val + self.test
+        if abs(total - 1.0) > 1e-6:
+            raise ValueError(f"split.train + split.val + split.test must sum to 1 (got {total:g})")
+        return self
+
+
+class TokenizerConfig(_Section):
+    kind: Literal["wordpiece", "bpe"] = "wordpiece"
+    vocab_size: int = Field(8192, ge=64, le=262_144)
+    lowercase: bool = True
+    min_frequency: int = Field(2, ge=1)
+
+
+class EncodeConfig(_Section):
+    max_len: int = Field(128, ge=8, le=8192, description="Tokens per sequence including [CLS]/[SEP].")
+    overlap: int = Field(32, ge=0, description="Tokens shared by consecutive windows of a long document.")
+    max_windows_per_doc: int = Field(8, ge=1, description="Pretraining windows kept per document (the rest are counted as truncated).")
+    batch_size: int = Field(2048, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> EncodeConfig:
+        if self.overlap >= self.max_len - 2:
+            raise ValueError("encode.overlap must be smaller than encode.max_len - 2")
+        return self
+
+
+class MaskingConfig(_Section):
+    select_rate: Rate = Field(0.15, gt=0.0, le=1.0)
+    mask_rate: Rate = Field(0.8, ge=0.0, le=1.0)
+    random_rate: Rate = Field(0.1, ge=0.0, le=1.0)
+    keep_rate: Rate = Field(0.1, ge=0.0, le=1.0)
+    selection: Literal["fixed", "bernoulli"] = "fixed"
+    max_predictions: int = Field(20, ge=1, description="Selected positions kept per sequence (the gathered MLM head's width).")
+    empty_policy: Literal["force_one", "skip"] = "force_one"
+    seed: int = 1234
+
+    @model_validator(mode="after")
+    def _check(self) -> MaskingConfig:
+        total = self.mask_rate + self.random_rate + self.keep_rate
+        if abs(total - 1.0) > 1e-6:
+            raise ValueError(f"masks.mask_rate + random_rate + keep_rate must sum to 1 (got {total:g})")
+        return self
+
+
+class ModelConfig(_Section):
+    hidden: int = Field(256, ge=2)
+    layers: int = Field(4, ge=1)
+    heads: int = Field(4, ge=1)
+    ff: int = Field(1024, ge=2)
+    dropout: float = Field(0.1, ge=0.0, lt=1.0)
+    norm: Literal["post", "pre"] = "post"
+    tie_embeddings: bool = True
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelConfig:
+        if self.hidden % self.heads:
+            raise ValueError("model.hidden must be divisible by model.heads")
+        return self
+
+
+class PretrainConfig(_Section):
+    objective: Literal["mlm", "clm"] = "mlm"
+    batch_size: int = Field(32, ge=1)
+    steps: int = Field(2000, ge=1, description="Optimiser steps (the budget), unless max_tokens is set.")
+    max_tokens: int | None = Field(None, ge=1, description="Budget in input tokens; overrides steps.")
+    learning_rate: float = Field(5e-4, gt=0.0)
+    warmup_steps: int = Field(100, ge=0)
+    weight_decay: float = Field(0.01, ge=0.0)
+    clip_norm: float = Field(1.0, gt=0.0)
+    log_every: int = Field(50, ge=1)
+    eval_every: int = Field(500, ge=1)
+    checkpoint_every: int = Field(500, ge=1)
+    static_train_masks: bool = False
+    mixed_precision: Literal["auto", "off", "bf16"] = "auto"
+    jit: Literal["auto", "on", "off"] = "auto"
+    seed: int = 42
+
+
+class FinetuneConfig(_Section):
+    fractions: tuple[float, ...] = (0.05, 0.25, 1.0)
+    modes: tuple[Literal["probe", "full"], ...] = ("probe", "full")
+    pooling: Literal["mean", "cls"] = "mean"
+    epochs: int = Field(8, ge=1)
+    batch_size: int = Field(32, ge=1)
+    head_learning_rate: float = Field(2e-3, gt=0.0)
+    encoder_learning_rate: float = Field(3e-4, gt=0.0)
+    dropout: float = Field(0.1, ge=0.0, lt=1.0)
+    patience: int = Field(2, ge=1)
+    seed: int = 3
+
+    @model_validator(mode="after")
+    def _check(self) -> FinetuneConfig:
+        if not self.fractions or any(not (0.0 < f <= 1.0) for f in self.fractions):
+            raise ValueError("finetune.fractions must be non-empty values in (0, 1]")
+        return self
+
+
+class BaselineConfig(_Section):
+    tfidf_c: tuple[float, ...] = (0.1, 1.0, 10.0)
+    tfidf_ngram_max: tuple[int, ...] = (1, 2)
+    random_init: bool = True
+    majority: bool = True
+
+
+class CompareConfig(_Section):
+    bootstrap: int = Field(1000, ge=10)
+    seed: int = 5
+
+
+class PipelineConfig(_Section):
+    """Everything that shapes a run's outputs."""
+
+    experiment: str = "selfsup"
+    ingest: IngestConfig = IngestConfig()
+    dedup: DedupConfig = DedupConfig()
+    split: SplitConfig = SplitConfig()
+    tokenizer: TokenizerConfig = TokenizerConfig()
+    encode: EncodeConfig = EncodeConfig()
+    masks: MaskingConfig = MaskingConfig()
+    model: ModelConfig = ModelConfig()
+    pretrain: PretrainConfig = PretrainConfig()
+    finetune: FinetuneConfig = FinetuneConfig()
+    baseline: BaselineConfig = BaselineConfig()
+    compare: CompareConfig = CompareConfig()
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # Seconds per stage on 2 cores: for tests and CI.
+    "tiny": {
+        "ingest": {"min_chars": 20, "pydocs_libraries": ["json", "email"], "pydocs_max_per_library": 150},
+        "dedup": {"num_perm": 64},
+        "tokenizer": {"vocab_size": 300, "min_frequency": 1},
+        "encode": {"max_len": 32, "overlap": 8, "max_windows_per_doc": 2},
+        "masks": {"max_predictions": 6},
+        "model": {"hidden": 16, "layers": 1, "heads": 2, "ff": 32, "dropout": 0.0},
+        "pretrain": {"batch_size": 8, "steps": 12, "warmup_steps": 2, "log_every": 4,
+                      "eval_every": 6, "checkpoint_every": 6},
+        "finetune": {"fractions": [0.5, 1.0], "epochs": 2, "batch_size": 16, "patience": 1},
+        "baseline": {"tfidf_c": [1.0], "tfidf_ngram_max": [1]},
+        "compare": {"bootstrap": 50},
+    },
+    # The default: the whole pipeline on the embedded corpus in <= 15 minutes on 2 CPU cores.
+    "demo": {
+        "ingest": {"pydocs_max_per_library": 2500},
+        "tokenizer": {"vocab_size": 4096},
+        "encode": {"max_len": 128, "max_windows_per_doc": 4},
+        "model": {"hidden": 128, "layers": 2, "heads": 4, "ff": 512},
+        "pretrain": {"batch_size": 32, "steps": 1500, "learning_rate": 1e-3, "warmup_steps": 100,
+                      "log_every": 50, "eval_every": 250, "checkpoint_every": 250},
+        "finetune": {"epochs": 4},
+    },
+    # GPU scale.
+    "base": {
+        "tokenizer": {"vocab_size": 16384},
+        "encode": {"max_len": 256},
+        "masks": {"max_predictions": 40},
+        "model": {"hidden": 512, "layers": 8, "heads": 8, "ff": 2048},
+        "pretrain": {"batch_size": 128, "steps": 20000, "warmup_steps": 1000,
+                      "eval_every": 1000, "checkpoint_every": 1000},
+        "finetune": {"epochs": 10},
+    },
+}
+
+
+def deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def parse_override(text: str) -> dict[str, Any]:
+    """`a.b=value` -> {"a": {"b": value}}; the value is parsed as YAML (numbers, lists, bools)."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise UserError(f"--set expects KEY=VALUE (e.g. dedup.threshold=0.85), got {text!r}")
+    value = yaml.safe_load(raw) if raw.strip() else ""
+    parts = key.strip().split(".")
+    out: dict[str, Any] = {}
+    node = out
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+    node[parts[-1]] = value
+    return out
+
+
+def build_config(
+    preset: str = "demo",
+    config_file: str | Path | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+) -> PipelineConfig:
+    """Preset, then YAML file, then `--set` overrides; errors are one clear line."""
+    if preset not in PRESETS:
+        raise UserError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    data = copy.deepcopy(PRESETS[preset])
+    if config_file is not None:
+        path = Path(config_file)
+        try:
+            loaded = yaml.safe_load(path.read_text("utf-8")) or {}
+        except OSError as exc:
+            raise UserError(f"cannot read config file {path}: {exc.strerror}") from None
+        except yaml.YAMLError as exc:
+            raise UserError(f"config file {path} is not valid YAML: {exc}") from None
+        if not isinstance(loaded, dict):
+            raise UserError(f"config file {path} must hold a mapping of sections")
+        data = deep_merge(data, loaded)
+    for item in overrides:
+        data = deep_merge(data, parse_override(item))
+    return validate_config(data)
+
+
+def validate_config(data: dict[str, Any]) -> PipelineConfig:
+    try:
+        return PipelineConfig.model_validate(data)
+    except ValidationError as exc:
+        raise UserError(f"invalid configuration: {_one_line(exc)}") from None
+
+
+def _one_line(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key"
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    return "; ".join(parts)
