@@ -1,0 +1,37 @@
+# Two commands do everything on a fresh machine with Python 3.11:
+#   make demo   set up .venv and run the full pipeline on the embedded corpus (preset demo)
+#   make test   set up .venv and run the test suite
+PYTHON ?= python3.11
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+WORKDIR ?= data/runs/default
+
+.PHONY: install demo test lint clean bench
+
+install: $(STAMP)
+
+# Reinstall whenever pyproject.toml changes; pip resolves only what is missing.
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	@touch $(STAMP)
+
+demo: install
+	$(BIN)/selfsup run --corpus pydocs --preset demo --workdir $(WORKDIR)
+	$(BIN)/selfsup report --workdir $(WORKDIR)
+
+test: install
+	$(BIN)/python -m pytest -q
+
+lint: install
+	$(BIN)/ruff check flows tasks selfsup_model tests benchmarks
+
+bench: install
+	$(BIN)/python benchmarks/masking.py
+	$(BIN)/python benchmarks/dedup.py
+	$(BIN)/python benchmarks/pretrain.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,145 @@
+"""The `selfsup` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+
+from selfsup_model.config import PRESETS
+from selfsup_model.errors import UserError
+
+EXIT_USER_ERROR = 2
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--corpus", default="pydocs",
+                   help="corpus folder (one sub-folder per label), table (.csv/.jsonl/.parquet) or 'pydocs' "
+                        "(the embedded default) [default: pydocs]")
+    p.add_argument("--format", dest="corpus_format", default="auto", choices=["auto", "folder", "table", "pydocs"],
+                   help="corpus kind [default: auto, from the path]")
+    p.add_argument("--workdir", default="data/runs/default", help="where stage outputs go [default: %(default)s]")
+    p.add_argument("--preset", default="demo", choices=sorted(PRESETS),
+                   help="size preset: tiny (tests), demo (default, <=15 min on 2 CPU cores), base (GPU)")
+    p.add_argument("--config", dest="config_file", help="YAML file with config sections overriding the preset")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one setting, e.g. --set dedup.threshold=0.85 (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="selfsup", description=(
+        "Raw text corpus -> deduplicated, leak-safe splits -> tokenizer -> self-supervised Transformer "
+        "encoder -> fine-tuned classifier, compared against baselines. Tracked in MLflow, orchestrated by Prefect."))
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for user errors")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run the pipeline (stages that are up to date are skipped)")
+    _add_config_args(run)
+    run.add_argument("--only", metavar="STAGE", help="run just this stage (its inputs must exist)")
+    run.add_argument("--from", dest="from_stage", metavar="STAGE", help="rerun this stage and everything after it")
+    run.add_argument("--force", action="append", default=[], metavar="STAGE",
+                     help="rerun this stage even if up to date; downstream reruns if its inputs change (repeatable)")
+    run.add_argument("--no-tracking", action="store_true", help="do not log to MLflow")
+
+    stages = sub.add_parser("stages", help="list the stages in order with their status for a workdir")
+    _add_config_args(stages)
+
+    report = sub.add_parser("report", help="print every stage's counts and metrics")
+    report.add_argument("--workdir", default="data/runs/default", help="[default: %(default)s]")
+    report.add_argument("--json", action="store_true", help="one JSON object (what scripts and tests read)")
+
+    ui = sub.add_parser("ui", help="start the MLflow UI on 127.0.0.1 for a workdir's run store")
+    ui.add_argument("--workdir", default="data/runs/default", help="[default: %(default)s]")
+    ui.add_argument("--port", type=int, default=5000, help="[default: %(default)s]")
+    return parser
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from flows.pipeline import pipeline_flow, resolve_config
+
+    cfg = resolve_config(args.preset, None, args.overrides, args.config_file)
+    results = pipeline_flow(corpus=args.corpus, corpus_format=args.corpus_format, workdir=args.workdir,
+                            preset=args.preset, config=cfg, only=args.only, from_stage=args.from_stage,
+                            force=args.force) if not args.no_tracking else _run_untracked(args, cfg)
+    for r in results:
+        print(f"  {r['stage']:<10} {r['status']:<8} {r['duration_s']:7.1f}s  {r['reason']}")
+    print(f"Outputs: {args.workdir}/<stage>/   Summary: selfsup report --workdir {args.workdir} --json")
+    print(f"MLflow:  selfsup ui --workdir {args.workdir}")
+    return 0
+
+
+def _run_untracked(args: argparse.Namespace, cfg) -> list[dict]:
+    from flows.pipeline import run_pipeline, select_stages
+
+    force = list(args.force) + ([args.from_stage] if args.from_stage else [])
+    results = run_pipeline(cfg, args.corpus, args.corpus_format, args.workdir,
+                           select_stages(args.only, args.from_stage), force, args.preset, tracking=False)
+    return [r.__dict__ for r in results]
+
+
+def _cmd_stages(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from flows.pipeline import resolve_config
+    from tasks.registry import PIPELINE
+    from tasks.stage import RunContext, check_stage
+
+    cfg = resolve_config(args.preset, None, args.overrides, args.config_file)
+    ctx = RunContext(workdir=Path(args.workdir), config=cfg, corpus=args.corpus, corpus_format=args.corpus_format)
+    for spec, _ in PIPELINE:
+        status, why = check_stage(spec, ctx)
+        print(f"{spec.name:<10} {status:<10} {why}")
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from flows.report import collect_report
+
+    report = collect_report(args.workdir)
+    if args.json:
+        print(json.dumps(report, indent=2, sort_keys=True))
+        return 0
+    for name, info in report["stages"].items():
+        counts = ", ".join(f"{k}={v}" for k, v in (info.get("counts") or {}).items() if not isinstance(v, dict))
+        print(f"{name:<10} {info['status']:<9} {counts}")
+    if report["accounting"]:
+        a = report["accounting"]
+        print(f"accounting: read {a['read']} = kept {a['kept']} + duplicates {a['duplicates']} "
+              f"+ rejected {a['rejected']} ({'balanced' if a['balanced'] else 'NOT balanced'})")
+    return 0
+
+
+def _cmd_ui(args: argparse.Namespace) -> int:
+    import subprocess
+    from pathlib import Path
+
+    from tasks.tracking import default_tracking_uri
+
+    uri = default_tracking_uri(Path(args.workdir))
+    print(f"MLflow UI for {uri} at http://127.0.0.1:{args.port}  (Ctrl-C to stop)", flush=True)
+    cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri,
+           "--host", "127.0.0.1", "--port", str(args.port)]
+    return subprocess.call(cmd)
+
+
+COMMANDS = {"run": _cmd_run, "stages": _cmd_stages, "report": _cmd_report, "ui": _cmd_ui}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
+    for noisy in ("httpx", "httpcore", "alembic", "mlflow.store"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    try:
+        return COMMANDS[args.command](args)
+    except UserError as exc:
+        if args.debug:
+            raise
+        print(f"selfsup: error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""The pipeline flow: chain the stages, one MLflow parent run, one child run per executed stage."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Literal
+
+from prefect import flow
+
+from selfsup_model.config import (
+    PipelineConfig,
+    build_config,
+    deep_merge,
+    parse_override,
+    validate_config,
+)
+from selfsup_model.errors import UserError
+from tasks.lock import workdir_lock
+from tasks.registry import STAGE_NAMES, TASKS
+from tasks.stage import RunContext, StageResult
+from tasks.tracking import Tracker, default_tracking_uri, flatten
+
+log = logging.getLogger("selfsup.pipeline")
+
+DEFAULT_WORKDIR = "data/runs/default"
+CorpusFormat = Literal["auto", "folder", "table", "pydocs"]
+
+
+def select_stages(only: str | None = None, from_stage: str | None = None) -> list[str]:
+    """The stages to visit, in order."""
+    for name in (only, from_stage):
+        if name is not None and name not in STAGE_NAMES:
+            raise UserError(f"unknown stage {name!r}; stages are: {', '.join(STAGE_NAMES)}")
+    if only and from_stage:
+        raise UserError("use either --only or --from, not both")
+    if only:
+        return [only]
+    if from_stage:
+        return list(STAGE_NAMES[STAGE_NAMES.index(from_stage):])
+    return list(STAGE_NAMES)
+
+
+def resolve_config(preset: str, config: PipelineConfig | None, overrides: list[str],
+                   config_file: str | None = None) -> PipelineConfig:
+    """A given config wins over the preset; the YAML file, then overrides, apply on top."""
+    if config is None:
+        return build_config(preset, config_file, overrides)
+    if config_file:
+        raise UserError("pass either a config object or a config file, not both")
+    data = config.model_dump(mode="json")
+    for item in overrides:
+        data = deep_merge(data, parse_override(item))
+    return validate_config(data)
+
+
+def run_pipeline(
+    config: PipelineConfig,
+    corpus: str = "pydocs",
+    corpus_format: CorpusFormat = "auto",
+    workdir: str = DEFAULT_WORKDIR,
+    stages: list[str] | None = None,
+    force: list[str] | tuple[str, ...] = (),
+    preset: str = "custom",
+    tracking: bool = True,
+) -> list[StageResult]:
+    """Visit `stages` in order under the workdir lock, tracked in one MLflow parent run."""
+    stages = stages or list(STAGE_NAMES)
+    unknown = [f for f in force if f not in STAGE_NAMES]
+    if unknown:
+        raise UserError(f"unknown stage(s) for --force: {', '.join(unknown)}; stages are: {', '.join(STAGE_NAMES)}")
+    wd = Path(workdir)
+    with workdir_lock(wd):
+        tracker = parent = None
+        if tracking:
+            tracker = Tracker(default_tracking_uri(wd), config.experiment, artifact_root=wd / "mlartifacts")
+            parent = tracker.start_run(f"pipeline:{Path(str(corpus)).name}", {
+                "selfsup.corpus": str(corpus), "selfsup.preset": preset, "selfsup.workdir": str(wd.resolve()),
+                "selfsup.objective": config.pretrain.objective, "selfsup.stages": ",".join(stages),
+                "mlflow.note.content": f"selfsup pipeline on `{corpus}` (preset `{preset}`); "
+                                       "child runs hold each executed stage.",
+            })
+            tracker.log_params(parent, flatten("", config.model_dump(mode="json")))
+        ctx = RunContext(workdir=wd, config=config, corpus=str(corpus), corpus_format=corpus_format,
+                         force=frozenset(force), tracker=tracker, parent_run_id=parent)
+        results: list[StageResult] = []
+        try:
+            for name in stages:
+                results.append(TASKS[name](ctx))
+        except BaseException:
+            if tracker:
+                tracker.end_run(parent, "FAILED")
+            raise
+        if tracker:
+            tracker.end_run(parent, "FINISHED")
+        return results
+
+
+@flow(name="selfsup-pipeline", persist_result=False, log_prints=True)
+def pipeline_flow(
+    corpus: str = "pydocs",
+    corpus_format: CorpusFormat = "auto",
+    workdir: str = DEFAULT_WORKDIR,
+    preset: Literal["tiny", "demo", "base"] = "demo",
+    config: PipelineConfig | None = None,
+    overrides: list[str] | None = None,
+    only: str | None = None,
+    from_stage: str | None = None,
+    force: list[str] | None = None,
+) -> list[dict[str, Any]]:
+    """Run the selfsup pipeline: ingest -> ... -> compare, skipping stages that are up to date."""
+    cfg = resolve_config(preset, config, overrides or [])
+    force = list(force or [])
+    if from_stage:
+        force.append(from_stage)
+    results = run_pipeline(cfg, corpus, corpus_format, workdir, select_stages(only, from_stage), force, preset)
+    return [r.__dict__ for r in results]
+
+
+@flow(name="selfsup-stage", persist_result=False, log_prints=True)
+def stage_flow(
+    stage: str,
+    workdir: str = DEFAULT_WORKDIR,
+    corpus: str = "pydocs",
+    corpus_format: CorpusFormat = "auto",
+    preset: Literal["tiny", "demo", "base"] = "demo",
+    config: PipelineConfig | None = None,
+    overrides: list[str] | None = None,
+) -> list[dict[str, Any]]:
+    """Rerun one named stage (its inputs must already exist in the workdir)."""
+    cfg = resolve_config(preset, config, overrides or [])
+    results = run_pipeline(cfg, corpus, corpus_format, workdir, select_stages(only=stage), [stage], preset)
+    return [r.__dict__ for r in results]

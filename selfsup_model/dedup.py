@@ -1,0 +1,166 @@
+"""Exact and near-duplicate detection: which documents to keep, and why each other one goes.
+
+Order of work: texts are normalised (`minhash.normalize_text`); identical
+normalised texts are exact duplicates; one MinHash signature per distinct text
+feeds an LSH index at `cfg.threshold`; every LSH candidate pair is verified
+with its exact shingle Jaccard before it counts; verified pairs and exact
+groups are joined into clusters (connected components, so a chain A~B~C is one
+cluster).
+
+Representative rule: each cluster keeps the member with the longest
+normalised text; ties go to the member that comes first in the input. Every
+other member is dropped as a duplicate of that kept document.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+from scipy.sparse import coo_matrix
+from scipy.sparse.csgraph import connected_components
+
+from selfsup_model.config import DedupConfig
+from selfsup_model.errors import UserError
+from selfsup_model.minhash import (
+    Progress,
+    candidate_pairs,
+    lsh_params,
+    minhash_signatures,
+    normalize_text,
+    verify_pairs,
+)
+
+CLUSTER_COLUMNS = ("id", "cluster_id", "is_kept", "kept_id", "kind", "max_jaccard")
+
+
+@dataclass(frozen=True, eq=False)
+class DedupResult:
+    """Per-document fate, the signatures the split stage reuses, and counts.
+
+    clusters: one row per input document, input order, columns CLUSTER_COLUMNS.
+      kind is 'unique' for every kept document, 'exact' for a dropped document
+      whose normalised text equals its representative's, 'near' otherwise.
+      max_jaccard: dropped -> exact Jaccard to its representative (1.0 for
+      exact; below the threshold is possible for the far end of a chain);
+      kept -> the largest of those over its cluster (0.0 for a singleton).
+    signatures: (n_docs, num_perm) uint32 MinHash signatures, input order.
+    """
+
+    clusters: pd.DataFrame
+    signatures: np.ndarray
+    counts: dict[str, int] = field(default_factory=dict)
+
+
+def components(n: int, pairs: np.ndarray) -> np.ndarray:
+    """Connected-component label of each of n nodes joined by (m, 2) pairs: (n,) int64."""
+    edges = coo_matrix((np.ones(len(pairs)), (pairs[:, 0], pairs[:, 1])), shape=(n, n))
+    return connected_components(edges, directed=False)[1].astype(np.int64)
+
+
+def first_seen_ids(labels: np.ndarray) -> np.ndarray:
+    """Renumber labels 0, 1, ... in order of first appearance: (n,) int64."""
+    _, first, inverse = np.unique(labels, return_index=True, return_inverse=True)
+    rank = np.empty(len(first), dtype=np.int64)
+    rank[np.argsort(first, kind="stable")] = np.arange(len(first))
+    return rank[inverse]
+
+
+def _check_inputs(ids: Sequence[str], texts: Sequence[str]) -> int:
+    if len(ids) != len(texts):
+        raise UserError(f"dedup got {len(ids)} ids but {len(texts)} texts; they must align")
+    if not len(ids):
+        raise UserError("dedup got no documents: check the ingest stage's kept count")
+    dup = pd.Index(ids)[pd.Index(ids).duplicated()]
+    if len(dup):
+        raise UserError(f"document ids must be unique; {len(dup)} repeat, e.g. {dup[0]!r}")
+    return len(ids)
+
+
+def _representatives(cluster: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Kept document index for each document: longest text, then first in input (n,) int64."""
+    n = len(cluster)
+    order = np.lexsort((np.arange(n), -lengths, cluster))  # best member first within a cluster
+    head = np.r_[True, cluster[order][1:] != cluster[order][:-1]]
+    rep_of_cluster = np.empty(cluster.max() + 1, dtype=np.int64)
+    rep_of_cluster[cluster[order][head]] = order[head]
+    return rep_of_cluster[cluster]
+
+
+def find_duplicates(
+    ids: Sequence[str],
+    texts: Sequence[str],
+    cfg: DedupConfig,
+    progress: Progress | None = None,
+) -> DedupResult:
+    """Cluster exact and verified near-duplicates; keep one document per cluster.
+
+    `progress(done, total)` is called after each signature batch (over distinct texts).
+    """
+    n = _check_inputs(ids, texts)
+    norm = [normalize_text(t) for t in texts]
+    text_code, distinct = pd.factorize(pd.Series(norm, dtype=object), sort=False)  # (n,), (u,)
+    text_code = text_code.astype(np.int64)
+    sig_u = minhash_signatures(
+        list(distinct), num_perm=cfg.num_perm, seed=cfg.seed, kind=cfg.shingle,
+        size=cfg.shingle_size, batch_size=cfg.batch_size, progress=progress,
+    )  # (u, num_perm)
+    cand = candidate_pairs(sig_u, cfg.threshold)  # (c, 2) over distinct texts
+    jac = verify_pairs(distinct, cand, cfg.shingle, cfg.shingle_size)
+    verified = cand[jac >= cfg.threshold]
+    cluster = first_seen_ids(components(len(distinct), verified)[text_code])  # (n,)
+    lengths = np.array([len(t) for t in norm], dtype=np.int64)
+    rep = _representatives(cluster, lengths)  # (n,) index of the kept document
+    frame, kinds = _cluster_frame(ids, cluster, rep, text_code, distinct, cfg)
+    bands, rows = lsh_params(cfg.threshold, cfg.num_perm)
+    kept = int(frame["is_kept"].sum())
+    counts = {
+        "documents": n,
+        "distinct_texts": len(distinct),
+        "clusters": int(cluster.max()) + 1,
+        "kept": kept,
+        "duplicates_removed": n - kept,
+        "exact_duplicates": int((kinds == "exact").sum()),
+        "near_duplicates": int((kinds == "near").sum()),
+        "candidate_pairs": len(cand),
+        "verified_pairs": len(verified),
+        "lsh_bands": bands,
+        "lsh_rows": rows,
+    }
+    return DedupResult(clusters=frame, signatures=sig_u[text_code], counts=counts)
+
+
+def _cluster_frame(
+    ids: Sequence[str],
+    cluster: np.ndarray,
+    rep: np.ndarray,
+    text_code: np.ndarray,
+    distinct: pd.Index,
+    cfg: DedupConfig,
+) -> tuple[pd.DataFrame, np.ndarray]:
+    """The clusters table and the (n,) kind array."""
+    n = len(cluster)
+    is_kept = rep == np.arange(n)
+    exact = ~is_kept & (text_code == text_code[rep])
+    near = ~is_kept & ~exact
+    kinds = np.where(is_kept, "unique", np.where(exact, "exact", "near"))
+    max_jac = np.where(exact, 1.0, 0.0)
+    # A near member's score is measured against its representative itself, not
+    # against whichever neighbour linked it into the cluster.
+    pairs = np.stack([text_code[near], text_code[rep[near]]], axis=1)
+    max_jac[near] = verify_pairs(distinct, pairs, cfg.shingle, cfg.shingle_size)
+    best = np.zeros(n, dtype=np.float64)
+    np.maximum.at(best, rep[~is_kept], max_jac[~is_kept])
+    max_jac[is_kept] = best[is_kept]
+    id_array = np.asarray(list(ids), dtype=object)
+    frame = pd.DataFrame({
+        "id": pd.array(id_array, dtype="str"),
+        "cluster_id": cluster.astype(np.int64),
+        "is_kept": is_kept,
+        "kept_id": pd.array(id_array[rep], dtype="str"),
+        "kind": pd.array(kinds, dtype="str"),
+        "max_jaccard": max_jac.astype(np.float64),
+    })
+    return frame, kinds

@@ -1,0 +1,179 @@
+"""Documents -> fixed-length, framed, padded token windows (and the causal shift).
+
+A document's content ids are cut into windows of at most `max_len - 2` tokens;
+consecutive windows share `overlap` tokens (stride = max_len - 2 - overlap).
+Each window is framed `[CLS] content [SEP]` and right-padded with [PAD], so a
+window never mixes two documents. At most `max_windows_per_doc` windows are
+kept per document; a document cut short is counted in `truncated_docs`.
+
+Token counts (`EncodedSplit.counts`):
+  documents       input texts
+  kept_docs       documents with at least one token (each has >= 1 window)
+  empty_docs      documents that tokenised to nothing (for the caller to reject
+                  with reason 'no_tokens'; their indices are in `empty`)
+  sequences       windows written
+  tokens          non-[PAD] positions of the windows, INCLUDING [CLS]/[SEP] and
+                  counting overlap tokens once per window: what a model reads
+  content_tokens  tokenizer output of the kept documents, before windowing
+  truncated_docs  documents with content beyond their last kept window
+  truncated_tokens content tokens covered by no kept window
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from selfsup_model.artifacts import atomic_path
+from selfsup_model.config import EncodeConfig
+from selfsup_model.errors import ArtifactError
+from selfsup_model.specials import BOS_ID, CLS_ID, EOS_ID, PAD_ID, SEP_ID
+
+_SUFFIXES = ("windows", "doc_offsets", "kept")
+
+
+@dataclasses.dataclass(frozen=True)
+class EncodedSplit:
+    """One split's windows; rows offsets[i]:offsets[i+1] belong to input text kept[i]."""
+
+    windows: np.ndarray  # (n_windows, max_len) int32
+    doc_offsets: np.ndarray  # (n_kept + 1,) int64
+    kept: np.ndarray  # (n_kept,) int64 indices into the input texts
+    empty: np.ndarray  # (n_empty,) int64 indices of texts with no tokens
+    counts: dict[str, int]
+
+    def first_windows(self) -> np.ndarray:
+        """(n_kept, max_len): each kept document's first (truncated) window, for classification."""
+        return self.windows[self.doc_offsets[:-1]]
+
+
+def encode_split(tok: Tokenizer, texts: Sequence[str], cfg: EncodeConfig) -> EncodedSplit:
+    """Tokenise `texts` in Rust-parallel batches and cut them into framed windows."""
+    lengths, n_win, uncovered, windows = [], [], [], []
+    # Chunked so peak memory is bounded by one batch of documents, not the split.
+    for start in range(0, len(texts), cfg.batch_size):
+        chunk_lengths, flat = _tokenize(tok, texts[start:start + cfg.batch_size])
+        chunk_win, chunk_uncovered = _window_plan(chunk_lengths, cfg)
+        windows.append(_build_windows(flat, chunk_lengths, chunk_win, cfg))
+        lengths.append(chunk_lengths)
+        n_win.append(chunk_win)
+        uncovered.append(chunk_uncovered)
+    lengths_a = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
+    n_win_a = np.concatenate(n_win) if n_win else np.zeros(0, np.int64)
+    uncovered_a = np.concatenate(uncovered) if uncovered else np.zeros(0, np.int64)
+    windows_a = np.concatenate(windows) if windows else np.zeros((0, cfg.max_len), np.int32)
+
+    kept = np.flatnonzero(lengths_a > 0).astype(np.int64)
+    empty = np.flatnonzero(lengths_a == 0).astype(np.int64)
+    doc_offsets = np.zeros(len(kept) + 1, dtype=np.int64)
+    np.cumsum(n_win_a[kept], out=doc_offsets[1:])
+    counts = {
+        "documents": len(texts),
+        "kept_docs": len(kept),
+        "empty_docs": len(empty),
+        "sequences": int(windows_a.shape[0]),
+        "tokens": int(np.count_nonzero(windows_a != PAD_ID)),
+        "content_tokens": int(lengths_a.sum()),
+        "truncated_docs": int(np.count_nonzero(uncovered_a)),
+        "truncated_tokens": int(uncovered_a.sum()),
+    }
+    return EncodedSplit(windows_a, doc_offsets, kept, empty, counts)
+
+
+def _tokenize(tok: Tokenizer, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Per-document token counts (n_docs,) int64 and the content ids concatenated (T,) int32."""
+    ids = [e.ids for e in tok.encode_batch(list(texts), add_special_tokens=False)]
+    lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+    flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32, count=int(lengths.sum()))
+    return lengths, flat
+
+
+def _window_plan(lengths: np.ndarray, cfg: EncodeConfig) -> tuple[np.ndarray, np.ndarray]:
+    """Windows kept per document and content tokens left uncovered, both (n_docs,) int64."""
+    content = cfg.max_len - 2
+    stride = content - cfg.overlap
+    # Windows needed to cover n tokens: 1 if n <= content, else 1 + ceil((n - content) / stride).
+    needed = np.where(lengths > 0, 1 + -(-np.maximum(lengths - content, 0) // stride), 0)
+    n_win = np.minimum(needed, cfg.max_windows_per_doc)
+    covered = np.where(n_win > 0, (n_win - 1) * stride + content, 0)
+    return n_win, np.maximum(lengths - covered, 0)
+
+
+def _build_windows(flat: np.ndarray, lengths: np.ndarray, n_win: np.ndarray, cfg: EncodeConfig) -> np.ndarray:
+    """(n_windows, max_len) int32 framed windows, documents in input order."""
+    content = cfg.max_len - 2
+    stride = content - cfg.overlap
+    total = int(n_win.sum())
+    doc_start = np.zeros(len(lengths), dtype=np.int64)
+    np.cumsum(lengths[:-1], out=doc_start[1:])
+    doc = np.repeat(np.arange(len(lengths)), n_win)  # (W,) owning document
+    first = np.zeros(len(lengths), dtype=np.int64)
+    np.cumsum(n_win[:-1], out=first[1:])
+    k = np.arange(total) - first[doc]  # (W,) window index within its document
+    begin = k * stride  # (W,) offset of the window's first content token in its document
+    length = np.minimum(content, lengths[doc] - begin)  # (W,) content tokens in the window
+
+    out = np.full((total, cfg.max_len), PAD_ID, dtype=np.int32)
+    out[:, 0] = CLS_ID
+    col = np.arange(content)
+    valid = col[None, :] < length[:, None]  # (W, content)
+    src = doc_start[doc][:, None] + begin[:, None] + col[None, :]  # (W, content)
+    out[:, 1:content + 1][valid] = flat[src[valid]]
+    out[np.arange(total), length + 1] = SEP_ID
+    return out
+
+
+def causal_lm_batch(windows: np.ndarray) -> dict[str, np.ndarray]:
+    """Next-token inputs/targets from framed windows (B, L): shifted here, exactly once.
+
+    The framing becomes [BOS] ... [EOS]; `input_ids` = x[:, :-1] and
+    `target_ids` = x[:, 1:], both (B, L-1), so position t predicts token t+1.
+    `loss_weights` is 1.0 where the target is a real token (content or [EOS])
+    and 0.0 where it is [PAD]. Consumers must NOT shift again.
+    """
+    x = np.asarray(windows, dtype=np.int32)
+    if x.ndim != 2 or x.shape[1] < 2:
+        raise ValueError(f"windows must be (batch, length >= 2), got shape {x.shape}")
+    x = np.where(x == CLS_ID, BOS_ID, np.where(x == SEP_ID, EOS_ID, x)).astype(np.int32)
+    targets = x[:, 1:]
+    return {
+        "input_ids": np.ascontiguousarray(x[:, :-1]),  # (B, L-1)
+        "target_ids": np.ascontiguousarray(targets),  # (B, L-1)
+        "loss_weights": (targets != PAD_ID).astype(np.float32),  # (B, L-1)
+    }
+
+
+def split_file_names(split: str) -> list[str]:
+    return [f"{split}_{suffix}.npy" for suffix in _SUFFIXES]
+
+
+def write_encoded(encoded: EncodedSplit, directory: str | os.PathLike, split: str) -> list[str]:
+    """Atomically write `{split}_windows.npy`, `_doc_offsets.npy`, `_kept.npy`; return the names."""
+    arrays = (encoded.windows, encoded.doc_offsets, encoded.kept)
+    names = split_file_names(split)
+    for name, array in zip(names, arrays, strict=True):
+        with atomic_path(Path(directory) / name) as tmp, open(tmp, "wb") as fh:
+            # A file handle, not a path: np.save would append ".npy" to the temp name.
+            np.save(fh, np.ascontiguousarray(array), allow_pickle=False)
+    return names
+
+
+def load_windows(directory: str | os.PathLike, split: str, mmap: bool = True) -> dict[str, Any]:
+    """{'windows', 'doc_offsets', 'kept'} for a split; windows memory-mapped when `mmap`."""
+    out = {}
+    for suffix, name in zip(_SUFFIXES, split_file_names(split), strict=True):
+        path = Path(directory) / name
+        if not path.is_file():
+            raise ArtifactError(f"missing encoded array {path}; rerun the encode stage")
+        mode = "r" if mmap and suffix == "windows" else None
+        out[suffix] = np.load(path, mmap_mode=mode, allow_pickle=False)
+    if out["doc_offsets"][-1] != len(out["windows"]) or len(out["kept"]) + 1 != len(out["doc_offsets"]):
+        raise ArtifactError(f"encoded arrays for split {split!r} in {directory} disagree; rerun encode")
+    return out

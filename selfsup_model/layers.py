@@ -1,0 +1,138 @@
+"""Transformer building blocks: embeddings, the padding mask and one encoder block.
+
+Shapes: B batch, L sequence length, H hidden width, F feed-forward width.
+Every layer's constructor arguments come back out of `get_config()`, so a
+saved model reloads (with `safe_mode=True`) from the registered classes alone.
+"""
+
+from __future__ import annotations
+
+import keras
+from keras import layers, ops
+
+from selfsup_model.specials import PAD_ID
+
+_PACKAGE = "selfsup"
+
+
+def _init(stddev: float = 0.02) -> keras.initializers.Initializer:
+    # BERT's initialiser: small weights keep the tied output projection's
+    # first logits near uniform, so the first loss is close to ln(V).
+    return keras.initializers.TruncatedNormal(stddev=stddev)
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class PaddingMask(layers.Layer):
+    """ids (B, L) -> bool (B, L), True at real tokens: the only source of key visibility."""
+
+    def call(self, ids):
+        return ops.not_equal(ids, PAD_ID)
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class TokenAndPositionEmbedding(layers.Layer):
+    """Token lookup plus a learned absolute position vector: ids (B, L) -> (B, L, H)."""
+
+    def __init__(self, vocab_size: int, max_len: int, hidden: int, **kwargs):
+        super().__init__(**kwargs)
+        self.vocab_size = int(vocab_size)
+        self.max_len = int(max_len)
+        self.hidden = int(hidden)
+        self.token_embedding = layers.Embedding(
+            self.vocab_size, self.hidden, embeddings_initializer=_init(),
+            dtype=self.dtype_policy, name="token_embedding",
+        )
+        self.position_embedding = layers.Embedding(
+            self.max_len, self.hidden, embeddings_initializer=_init(),
+            dtype=self.dtype_policy, name="position_embedding",
+        )
+
+    def build(self, input_shape):
+        self.token_embedding.build(input_shape)
+        self.position_embedding.build((self.max_len,))
+        self.built = True
+
+    @property
+    def embeddings(self):
+        """The token matrix (V, H), shared with a tied output projection."""
+        return self.token_embedding.embeddings
+
+    def call(self, ids):
+        length = ops.shape(ids)[-1]
+        positions = ops.arange(length, dtype="int32")  # (L,)
+        tokens = self.token_embedding(ids)  # (B, L, H)
+        return tokens + ops.expand_dims(self.position_embedding(positions), 0)
+
+    def compute_output_shape(self, input_shape):
+        return (*input_shape, self.hidden)
+
+    def get_config(self):
+        return {**super().get_config(), "vocab_size": self.vocab_size,
+                "max_len": self.max_len, "hidden": self.hidden}
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class TransformerEncoderBlock(layers.Layer):
+    """Self-attention + position-wise FFN, each with dropout and a residual.
+
+    `norm="post"` (BERT): x = LN(x + attn(x)); x = LN(x + ffn(x)).
+    `norm="pre"`: x = x + attn(LN(x)); x = x + ffn(LN(x)) (the backbone then adds
+    a final LayerNorm). The padding mask hides padded *keys* only; every query row,
+    [MASK] included, is computed, and a [MASK] is an ordinary visible key.
+    """
+
+    def __init__(self, hidden: int, heads: int, ff: int, dropout: float = 0.0,
+                 norm: str = "post", causal: bool = False, epsilon: float = 1e-6, **kwargs):
+        super().__init__(**kwargs)
+        if norm not in ("post", "pre"):
+            raise ValueError(f"norm must be 'post' or 'pre', got {norm!r}")
+        if hidden % heads:
+            raise ValueError(f"hidden ({hidden}) must be divisible by heads ({heads})")
+        self.hidden, self.heads, self.ff = int(hidden), int(heads), int(ff)
+        self.dropout, self.norm, self.causal, self.epsilon = float(dropout), norm, bool(causal), epsilon
+        dt = self.dtype_policy
+        self.attention = layers.MultiHeadAttention(
+            num_heads=self.heads, key_dim=self.hidden // self.heads, dropout=self.dropout,
+            kernel_initializer=_init(), dtype=dt, name="attention",
+        )
+        self.attention_dropout = layers.Dropout(self.dropout, dtype=dt, name="attention_dropout")
+        self.attention_norm = layers.LayerNormalization(epsilon=epsilon, dtype=dt, name="attention_norm")
+        self.ff_in = layers.Dense(self.ff, activation="gelu", kernel_initializer=_init(), dtype=dt, name="ff_in")
+        self.ff_out = layers.Dense(self.hidden, kernel_initializer=_init(), dtype=dt, name="ff_out")
+        self.ff_dropout = layers.Dropout(self.dropout, dtype=dt, name="ff_dropout")
+        self.ff_norm = layers.LayerNormalization(epsilon=epsilon, dtype=dt, name="ff_norm")
+
+    def build(self, input_shape):
+        # Sub-layers are built here, not lazily, so saved weights load into them.
+        self.attention.build(input_shape, input_shape)
+        self.attention_norm.build(input_shape)
+        self.ff_in.build(input_shape)
+        self.ff_out.build((*input_shape[:-1], self.ff))
+        self.ff_norm.build(input_shape)
+        self.built = True
+
+    def call(self, x, padding_mask, training=None):
+        # x (B, L, H); padding_mask (B, L) bool. value_mask becomes a (B, 1, L) key
+        # mask inside MultiHeadAttention; the causal mask (1, L, L) is AND-ed to it.
+        def attend(h):
+            out = self.attention(h, h, value_mask=padding_mask, use_causal_mask=self.causal,
+                                 training=training)  # (B, L, H)
+            return self.attention_dropout(out, training=training)
+
+        def feed_forward(h):
+            out = self.ff_out(self.ff_in(h))  # (B, L, F) -> (B, L, H)
+            return self.ff_dropout(out, training=training)
+
+        if self.norm == "post":
+            x = self.attention_norm(x + attend(x))
+            return self.ff_norm(x + feed_forward(x))
+        x = x + attend(self.attention_norm(x))
+        return x + feed_forward(self.ff_norm(x))
+
+    def compute_output_shape(self, input_shape):
+        return input_shape
+
+    def get_config(self):
+        return {**super().get_config(), "hidden": self.hidden, "heads": self.heads, "ff": self.ff,
+                "dropout": self.dropout, "norm": self.norm, "causal": self.causal,
+                "epsilon": self.epsilon}

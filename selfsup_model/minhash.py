@@ -1,0 +1,255 @@
+"""Vectorised shingling, MinHash signatures, LSH candidate pairs and exact Jaccard.
+
+Shingles: a text is normalised (lowercase, whitespace runs collapsed to one
+space), then cut into character n-grams (default 5) or word n-grams. A text
+shorter than one shingle yields exactly one shingle: the whole text. Each
+shingle becomes a deterministic 32-bit id (a polynomial hash mod 2^64 of its
+code points or word hashes, then the murmur3 finaliser) - never Python's
+salted `hash()`, so ids are stable across processes.
+
+Signatures follow datasketch's default `affine32` scheme: permutation i maps a
+shingle id x to (a_i * x + b_i) mod 2^32 with odd a_i (a bijection), and the
+signature keeps the minimum over the document's shingles. Everything is numpy
+over a whole batch: shingle ids are concatenated, hashed for all permutations
+at once and reduced per document with `np.minimum.reduceat`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import lru_cache
+
+import numpy as np
+from datasketch.lsh import _optimal_param
+
+Progress = Callable[[int, int], None]
+
+_BASE = np.uint64(0x100000001B3)  # FNV-64 prime: an odd multiplier for polynomial hashes
+_PAD = np.uint64(0xFFFF_FFFF)  # no code point is this large: marks "past the end of the text"
+_SPACE = 32
+_CHUNK_ELEMENTS = 1 << 21  # (num_perm, chunk) uint32 work buffer of ~8 MiB: stays cache-friendly
+
+
+def normalize_text(text: str) -> str:
+    """Lowercase and collapse every whitespace run to one space (no leading/trailing space)."""
+    return " ".join(text.lower().split())
+
+
+def _fmix32(x: np.ndarray) -> np.ndarray:
+    """murmur3's 32-bit finaliser on uint64 input (low 32 bits of the result are kept)."""
+    x = (x ^ (x >> np.uint64(33))) * np.uint64(0xFF51AFD7ED558CCD)
+    x = (x ^ (x >> np.uint64(33))) * np.uint64(0xC4CEB9FE1A85EC53)
+    x ^= x >> np.uint64(33)
+    return (x & np.uint64(0xFFFF_FFFF)).astype(np.uint32)
+
+
+def _ragged_arange(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenation of arange(s, s + l) for every (s, l): (sum(lengths),) int64."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    ends = np.cumsum(lengths)
+    shift = np.repeat(np.asarray(starts, dtype=np.int64) - (ends - lengths), lengths)
+    return np.arange(int(ends[-1]) if len(ends) else 0, dtype=np.int64) + shift
+
+
+def _word_tokens(texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    """One 64-bit hash per word of normalised texts: (words,) uint64 and (n,) word counts."""
+    counts = np.array([t.count(" ") + 1 if t else 0 for t in texts], dtype=np.int64)
+    cp = np.frombuffer(" ".join(texts).encode("utf-32-le", "surrogatepass"), dtype=np.uint32).astype(np.uint64)
+    is_char = cp != _SPACE
+    # A word starts at a non-space whose left neighbour is a space (or the string start).
+    starts = np.flatnonzero(is_char & ~np.r_[False, is_char[:-1]])
+    pos = np.flatnonzero(is_char)  # (chars,) positions of word characters
+    word_of = np.searchsorted(starts, pos, side="right") - 1
+    rel = pos - starts[word_of]  # offset of each character inside its word
+    powers = np.cumprod(np.full(int(rel.max(initial=0)) + 1, _BASE, dtype=np.uint64))
+    hashes = np.add.reduceat(cp[pos] * powers[rel], np.searchsorted(pos, starts)) if len(pos) else pos
+    return hashes.astype(np.uint64) ^ np.uint64(0x9E3779B97F4A7C15), counts
+
+
+def _char_tokens(texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Code points of normalised texts: (chars,) uint64 and (n,) lengths."""
+    lengths = np.array([len(t) for t in texts], dtype=np.int64)
+    cp = np.frombuffer("".join(texts).encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
+    return cp.astype(np.uint64), lengths
+
+
+def shingle_ids(
+    texts: Sequence[str], kind: str = "char", size: int = 5
+) -> tuple[np.ndarray, np.ndarray]:
+    """Shingle ids of normalised texts: ids (S,) uint32 and offsets (n + 1,) int64.
+
+    Document d owns ids[offsets[d]:offsets[d + 1]] (in text order, repeats kept);
+    every document owns at least one id.
+    """
+    if kind not in ("char", "word"):
+        raise ValueError(f"shingle kind must be 'char' or 'word', got {kind!r}")
+    if not len(texts):
+        return np.empty(0, dtype=np.uint32), np.zeros(1, dtype=np.int64)
+    tokens, counts = (_char_tokens if kind == "char" else _word_tokens)(texts)
+    # Lay each document out as its tokens followed by size - 1 pads, so every
+    # window starting inside a document stays inside it and a short document's
+    # single window is its whole text plus pads (an empty one: all pads).
+    block = np.maximum(counts, 1) + size - 1
+    block_start = np.cumsum(block) - block
+    padded = np.full(int(block.sum()), _PAD, dtype=np.uint64)
+    padded[_ragged_arange(block_start, counts)] = tokens
+    width = len(padded) - size + 1
+    poly = np.zeros(width, dtype=np.uint64)  # (positions,) polynomial hash of every window
+    for j in range(size):
+        poly = poly * _BASE + padded[j : j + width]
+    n_windows = np.maximum(counts - size + 1, 1)
+    ids = _fmix32(poly[_ragged_arange(block_start, n_windows)])
+    return ids, np.r_[0, np.cumsum(n_windows)].astype(np.int64)
+
+
+def shingle_sets(
+    texts: Sequence[str], kind: str = "char", size: int = 5
+) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted unique shingle ids per normalised text: values (U,) uint32, offsets (n + 1,)."""
+    ids, offsets = shingle_ids(texts, kind, size)
+    doc = np.repeat(np.arange(len(texts), dtype=np.uint64), np.diff(offsets))
+    key = np.unique((doc << np.uint64(32)) | ids)  # (U,) sorted by (document, id)
+    doc_of = (key >> np.uint64(32)).astype(np.int64)
+    values = (key & np.uint64(0xFFFF_FFFF)).astype(np.uint32)
+    return values, np.searchsorted(doc_of, np.arange(len(texts) + 1)).astype(np.int64)
+
+
+def permutations(num_perm: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Seeded affine permutation parameters a (odd) and b: two (num_perm,) uint32 arrays."""
+    rng = np.random.default_rng(seed)
+    a = rng.integers(0, 1 << 31, num_perm, dtype=np.uint32) * np.uint32(2) + np.uint32(1)
+    b = rng.integers(0, 1 << 32, num_perm, dtype=np.uint64).astype(np.uint32)
+    return a, b
+
+
+def _signatures_of_ids(ids: np.ndarray, offsets: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Min over each document's shingles of every permutation: (num_perm, n) uint32."""
+    num_perm, n = len(a), len(offsets) - 1
+    out = np.full((num_perm, n), np.iinfo(np.uint32).max, dtype=np.uint32)
+    chunk = max(_CHUNK_ELEMENTS // num_perm, 1)
+    buf = np.empty((num_perm, chunk), dtype=np.uint32)
+    for lo in range(0, len(ids), chunk):
+        hi = min(lo + chunk, len(ids))
+        # Documents overlapping [lo, hi): a long one may span chunks, so merge with np.minimum.
+        d0 = int(np.searchsorted(offsets, lo, side="right")) - 1
+        d1 = int(np.searchsorted(offsets, hi, side="left"))
+        seg = np.maximum(offsets[d0:d1], lo) - lo
+        view = buf[:, : hi - lo]
+        np.multiply(a[:, None], ids[None, lo:hi], out=view)  # uint32 wraps: mod 2^32
+        np.add(view, b[:, None], out=view)
+        np.minimum(out[:, d0:d1], np.minimum.reduceat(view, seg, axis=1), out=out[:, d0:d1])
+    return out
+
+
+def minhash_signatures(
+    texts: Sequence[str],
+    *,
+    num_perm: int = 128,
+    seed: int = 1,
+    kind: str = "char",
+    size: int = 5,
+    batch_size: int = 2048,
+    progress: Progress | None = None,
+) -> np.ndarray:
+    """MinHash signatures of raw texts (normalised here): (n, num_perm) uint32."""
+    a, b = permutations(num_perm, seed)
+    sig = np.empty((len(texts), num_perm), dtype=np.uint32)
+    for lo in range(0, len(texts), batch_size):
+        batch = [normalize_text(t) for t in texts[lo : lo + batch_size]]
+        ids, offsets = shingle_ids(batch, kind, size)
+        sig[lo : lo + len(batch)] = _signatures_of_ids(ids, offsets, a, b).T
+        if progress is not None:
+            progress(lo + len(batch), len(texts))
+    return sig
+
+
+@lru_cache(maxsize=64)
+def lsh_params(threshold: float, num_perm: int) -> tuple[int, int]:
+    """(bands, rows) minimising equally weighted false-positive + false-negative areas."""
+    return _optimal_param(threshold, num_perm, 0.5, 0.5)
+
+
+def _band_keys(signatures: np.ndarray, bands: int, rows: int) -> np.ndarray:
+    """One 64-bit key per (band, document): (bands, n) uint64. Key collisions only add candidates."""
+    sig = signatures[:, : bands * rows].astype(np.uint64).reshape(len(signatures), bands, rows)
+    keys = np.zeros((bands, len(signatures)), dtype=np.uint64)
+    for r in range(rows):
+        keys = (keys ^ sig[:, :, r].T) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(r + 1)
+    return keys ^ (keys >> np.uint64(29))
+
+
+def _pairs_in_runs(keys: np.ndarray) -> np.ndarray:
+    """All (i, j) pairs of positions whose keys are equal: (m, 2) int64."""
+    order = np.argsort(keys, kind="stable")
+    k = keys[order]
+    new_run = np.r_[True, k[1:] != k[:-1]]
+    run_end = np.r_[np.flatnonzero(new_run)[1:], len(k)][np.cumsum(new_run) - 1]
+    after = run_end - np.arange(len(k)) - 1  # members of the run after this position
+    idx = np.flatnonzero(after > 0)
+    out, step = [], 1
+    while len(idx):  # step d pairs every member with the one d places later in its run
+        out.append(np.stack([order[idx], order[idx + step]], axis=1))
+        step += 1
+        idx = idx[after[idx] >= step]
+    return np.concatenate(out) if out else np.empty((0, 2), dtype=np.int64)
+
+
+def candidate_pairs(signatures: np.ndarray, threshold: float) -> np.ndarray:
+    """LSH candidate pairs within one set: (m, 2) int64, i < j, sorted, unique."""
+    n = len(signatures)
+    bands, rows = lsh_params(threshold, signatures.shape[1])
+    found = [_pairs_in_runs(keys) for keys in _band_keys(signatures, bands, rows)]
+    pairs = np.concatenate(found) if found else np.empty((0, 2), dtype=np.int64)
+    code = np.unique(np.minimum(pairs[:, 0], pairs[:, 1]) * n + np.maximum(pairs[:, 0], pairs[:, 1]))
+    return np.stack([code // n, code % n], axis=1) if n else np.empty((0, 2), dtype=np.int64)
+
+
+def cross_candidate_pairs(index_sig: np.ndarray, query_sig: np.ndarray, threshold: float) -> np.ndarray:
+    """LSH candidates (query_row, index_row) between two sets: (m, 2) int64, sorted, unique."""
+    bands, rows = lsh_params(threshold, index_sig.shape[1])
+    n_index = max(len(index_sig), 1)
+    index_keys = _band_keys(index_sig, bands, rows)
+    query_keys = _band_keys(query_sig, bands, rows)
+    codes = []
+    for ik, qk in zip(index_keys, query_keys, strict=True):
+        order = np.argsort(ik, kind="stable")
+        lo = np.searchsorted(ik[order], qk, side="left")
+        hi = np.searchsorted(ik[order], qk, side="right")
+        q = np.repeat(np.arange(len(qk)), hi - lo)
+        codes.append(q * n_index + order[_ragged_arange(lo, hi - lo)])
+    code = np.unique(np.concatenate(codes)) if codes else np.empty(0, dtype=np.int64)
+    return np.stack([code // n_index, code % n_index], axis=1)
+
+
+def pair_jaccard(
+    values: np.ndarray, offsets: np.ndarray, left: np.ndarray, right: np.ndarray
+) -> np.ndarray:
+    """Exact Jaccard of shingle sets (from `shingle_sets`) for each (left, right): (m,) float64."""
+    sizes = np.diff(offsets)
+    out = np.empty(len(left), dtype=np.float64)
+    step = 4096  # pairs per pass: bounds the gathered copy of their shingles
+    for lo in range(0, len(left), step):
+        lft, rgt = left[lo : lo + step], right[lo : lo + step]
+        both = np.r_[lft, rgt]
+        pair = np.r_[np.arange(len(lft)), np.arange(len(rgt))].astype(np.uint64)
+        vals = values[_ragged_arange(offsets[both], sizes[both])]
+        key = np.sort((np.repeat(pair, sizes[both]) << np.uint64(32)) | vals)  # (pair, id)
+        # Each set is unique, so an equal neighbour is one shingle shared by the pair.
+        shared = key[1:][key[1:] == key[:-1]] >> np.uint64(32)
+        inter = np.bincount(shared.astype(np.int64), minlength=len(lft))
+        out[lo : lo + len(lft)] = inter / (sizes[lft] + sizes[rgt] - inter)
+    return out
+
+
+def verify_pairs(texts: Sequence[str], pairs: np.ndarray, kind: str = "char", size: int = 5) -> np.ndarray:
+    """Exact Jaccard of each (i, j) row of `pairs` over raw `texts`: (m,) float64.
+
+    Only the documents named by a pair are shingled, so memory follows the
+    candidates, not the corpus.
+    """
+    if not len(pairs):
+        return np.empty(0, dtype=np.float64)
+    involved = np.unique(pairs)  # (k,) sorted document indices
+    values, offsets = shingle_sets([normalize_text(texts[i]) for i in involved], kind, size)
+    local = np.searchsorted(involved, pairs)  # (m, 2) rows into the shingled subset
+    return pair_jaccard(values, offsets, local[:, 0], local[:, 1])

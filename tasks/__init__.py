@@ -1,0 +1,1 @@
+"""Prefect tasks: one per stage. Thin: resolve paths, call selfsup_model, write artifacts."""

@@ -1,0 +1,260 @@
+"""The stage runner: skip what is up to date, rerun what changed, write the manifest last.
+
+A stage is up to date when its manifest exists, was written by this code
+version, records the same parameters and the same input hashes as now, and
+every output it records still has the recorded size and sha256. Anything else
+reruns it. Before running, the old manifest is removed, so a stage killed
+half-way is never trusted by a later run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import json
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+from selfsup_model import __version__
+from selfsup_model.artifacts import (
+    MANIFEST_NAME,
+    StageManifest,
+    read_manifest,
+    record_outputs,
+    sha256_file,
+)
+from selfsup_model.config import PipelineConfig
+from selfsup_model.errors import ArtifactError
+
+log = logging.getLogger("selfsup.stage")
+
+Status = Literal["up-to-date", "stale", "missing", "blocked"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StageSpec:
+    """What a stage reads and which configuration sections shape its output."""
+
+    name: str
+    inputs: tuple[str, ...]  # "stage/file" artifact keys
+    sections: tuple[str, ...]  # PipelineConfig sections fingerprinted into params
+    version: int = 1  # bump when the stage's output format or semantics change
+    extra_params: Callable[[RunContext], dict[str, Any]] | None = None  # e.g. the corpus fingerprint
+
+    @property
+    def upstream(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(key.split("/", 1)[0] for key in self.inputs))
+
+
+@dataclasses.dataclass(frozen=True)
+class RunContext:
+    """Everything a stage needs to know about the run it is part of."""
+
+    workdir: Path
+    config: PipelineConfig
+    corpus: str = "pydocs"
+    corpus_format: str = "auto"
+    force: frozenset[str] = frozenset()
+    tracker: Any = None  # tasks.tracking.Tracker | None
+    parent_run_id: str | None = None
+    stage_run_id: str | None = None  # the child run of the stage being computed
+
+    def metric_logger(self) -> Callable[[dict[str, float], int], None] | None:
+        """Per-step metric logging into the current stage's run, or None when untracked."""
+        if self.tracker is None or self.stage_run_id is None:
+            return None
+        return self.tracker.metric_logger(self.stage_run_id)
+
+    def stage_dir(self, stage: str) -> Path:
+        return self.workdir / stage
+
+    def artifact(self, key: str) -> Path:
+        stage, name = key.split("/", 1)
+        return self.stage_dir(stage) / name
+
+
+@dataclasses.dataclass(frozen=True)
+class StageOutput:
+    """What a stage's compute function returns: files it wrote (relative names) and its numbers."""
+
+    files: list[str]
+    counts: dict[str, Any]
+    metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
+    log_artifacts: list[str] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True)
+class StageResult:
+    """The small, JSON-able value a task returns to the flow."""
+
+    stage: str
+    status: Literal["ran", "skipped"]
+    stage_dir: str
+    counts: dict[str, Any]
+    metrics: dict[str, Any]
+    duration_s: float
+    reason: str
+
+
+Compute = Callable[[RunContext, Path, dict[str, Path]], StageOutput]
+
+_HASHES: dict[tuple[str, int, int], str] = {}
+
+
+def cached_sha256(path: Path) -> str:
+    """sha256 of a file, memoised on (path, size, mtime) within this process."""
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _HASHES:
+        _HASHES[key] = sha256_file(path)
+    return _HASHES[key]
+
+
+def _canonical(obj: Any) -> Any:
+    return json.loads(json.dumps(obj, sort_keys=True, default=str))
+
+
+def stage_params(spec: StageSpec, ctx: RunContext) -> dict[str, Any]:
+    params = {s: getattr(ctx.config, s).model_dump(mode="json") for s in spec.sections}
+    if spec.extra_params is not None:
+        params.update(spec.extra_params(ctx))
+    return _canonical(params)
+
+
+def resolve_inputs(spec: StageSpec, ctx: RunContext) -> dict[str, str]:
+    """sha256 of each input, checked against the manifest of the stage that wrote it."""
+    hashes = {}
+    for key in spec.inputs:
+        stage, name = key.split("/", 1)
+        manifest = read_manifest(ctx.stage_dir(stage))
+        if manifest is None:
+            raise ArtifactError(f"stage {spec.name!r} needs {key}, but stage {stage!r} has not completed; run it first")
+        record = manifest.outputs.get(name)
+        if record is None:
+            raise ArtifactError(f"stage {stage!r} did not write {name!r}, which stage {spec.name!r} needs; rerun {stage!r}")
+        path = ctx.artifact(key)
+        if not path.is_file() or cached_sha256(path) != record.sha256:
+            raise ArtifactError(
+                f"{path} no longer matches the hash its stage recorded (changed or deleted); "
+                f"rerun with --force {stage}"
+            )
+        hashes[key] = record.sha256
+    return hashes
+
+
+def code_version(spec: StageSpec) -> str:
+    return f"{__version__}+{spec.name}.v{spec.version}"
+
+
+def check_stage(spec: StageSpec, ctx: RunContext, params: dict[str, Any] | None = None) -> tuple[Status, str]:
+    """(status, why) without running anything."""
+    params = stage_params(spec, ctx) if params is None else params
+    try:
+        inputs = resolve_inputs(spec, ctx)
+    except ArtifactError as exc:
+        return "blocked", str(exc)
+    manifest = read_manifest(ctx.stage_dir(spec.name))
+    if manifest is None:
+        return "missing", "no valid manifest"
+    if manifest.code_version != code_version(spec):
+        return "stale", f"code version {manifest.code_version} -> {code_version(spec)}"
+    if manifest.params != params:
+        changed = sorted(k for k in set(params) | set(manifest.params) if params.get(k) != manifest.params.get(k))
+        return "stale", f"parameters changed: {', '.join(changed)}"
+    if manifest.inputs != inputs:
+        changed = sorted(k for k in set(inputs) | set(manifest.inputs) if inputs.get(k) != manifest.inputs.get(k))
+        return "stale", f"inputs changed: {', '.join(changed)}"
+    stage_dir = ctx.stage_dir(spec.name)
+    for name, rec in manifest.outputs.items():
+        path = stage_dir / name
+        if not path.is_file() or path.stat().st_size != rec.size or cached_sha256(path) != rec.sha256:
+            return "stale", f"output {name} is missing or was modified"
+    return "up-to-date", "manifest matches inputs and parameters"
+
+
+def run_stage(spec: StageSpec, ctx: RunContext, compute: Compute) -> StageResult:
+    """Run one stage unless it is up to date (or forced); write its manifest last."""
+    params = stage_params(spec, ctx)
+    status, why = check_stage(spec, ctx, params)
+    stage_dir = ctx.stage_dir(spec.name)
+    if status == "blocked":
+        raise ArtifactError(why)
+    if status == "up-to-date" and spec.name not in ctx.force:
+        manifest = read_manifest(stage_dir)
+        log.info("%s: up to date, skipped", spec.name)
+        _track_skipped(ctx, spec.name, manifest)
+        return StageResult(spec.name, "skipped", str(stage_dir), manifest.counts, manifest.metrics, 0.0, why)
+    reason = "forced" if status == "up-to-date" else why
+    log.info("%s: running (%s)", spec.name, reason)
+    inputs = resolve_inputs(spec, ctx)
+    stage_dir.mkdir(parents=True, exist_ok=True)
+    (stage_dir / MANIFEST_NAME).unlink(missing_ok=True)  # a half-finished stage must never look done
+    started = dt.datetime.now(dt.UTC)
+    t0 = time.perf_counter()
+    child = _track_start(ctx, spec.name, params, reason)
+    try:
+        out = compute(dataclasses.replace(ctx, stage_run_id=child), stage_dir,
+                      {k: ctx.artifact(k) for k in spec.inputs})
+    except BaseException:
+        _track_end(ctx, child, "FAILED")
+        raise
+    duration = time.perf_counter() - t0
+    manifest = StageManifest(
+        stage=spec.name, code_version=code_version(spec), params=params, inputs=inputs,
+        outputs=record_outputs(stage_dir, out.files), counts=_canonical(out.counts),
+        metrics=_canonical(out.metrics), started_at=started.isoformat(),
+        finished_at=dt.datetime.now(dt.UTC).isoformat(), duration_s=round(duration, 3),
+    )
+    manifest.write(stage_dir)
+    _track_finish(ctx, child, spec.name, manifest, [stage_dir / a for a in out.log_artifacts])
+    log.info("%s: done in %.1fs %s", spec.name, duration, json.dumps(out.counts, default=str)[:400])
+    return StageResult(spec.name, "ran", str(stage_dir), manifest.counts, manifest.metrics, duration, reason)
+
+
+# -- tracking glue (all optional: a context without a tracker logs nothing) --------------------
+
+
+def _track_start(ctx: RunContext, stage: str, params: dict[str, Any], reason: str) -> str | None:
+    if ctx.tracker is None:
+        return None
+    from tasks.tracking import flatten
+
+    run_id = ctx.tracker.start_run(stage, {"selfsup.stage": stage, "selfsup.reason": reason[:250]},
+                                   parent_id=ctx.parent_run_id)
+    ctx.tracker.log_params(run_id, flatten("", params))
+    return run_id
+
+
+def _track_end(ctx: RunContext, run_id: str | None, status: str) -> None:
+    if ctx.tracker is not None and run_id:
+        ctx.tracker.end_run(run_id, status)
+
+
+def _track_finish(ctx: RunContext, run_id: str | None, stage: str, manifest: StageManifest,
+                  artifacts: list[Path]) -> None:
+    if ctx.tracker is None or not run_id:
+        return
+    from tasks.tracking import numeric_items
+
+    numbers = numeric_items({"counts": manifest.counts, "metrics": manifest.metrics})
+    ctx.tracker.log_metrics(run_id, {**numbers, "duration_s": manifest.duration_s})
+    ctx.tracker.log_artifact(run_id, ctx.stage_dir(stage) / MANIFEST_NAME, "manifests")
+    for path in artifacts:
+        ctx.tracker.log_artifact(run_id, path, stage)
+    ctx.tracker.end_run(run_id, "FINISHED")
+    if ctx.parent_run_id:
+        ctx.tracker.set_tags(ctx.parent_run_id, {f"stage.{stage}": "ran"})
+        ctx.tracker.log_metrics(ctx.parent_run_id, numeric_items(manifest.counts, f"{stage}."))
+
+
+def _track_skipped(ctx: RunContext, stage: str, manifest: StageManifest) -> None:
+    if ctx.tracker is None or not ctx.parent_run_id:
+        return
+    from tasks.tracking import numeric_items
+
+    ctx.tracker.set_tags(ctx.parent_run_id, {f"stage.{stage}": "skipped (up to date)"})
+    ctx.tracker.log_metrics(ctx.parent_run_id, numeric_items(manifest.counts, f"{stage}."))
+

@@ -1,0 +1,103 @@
+"""MLflow tracking with explicit run ids: one parent run per pipeline run, one child per executed stage.
+
+Nothing here relies on MLflow's thread-local "active run": every call names its
+run id, so Prefect's task threads and a resumed run cannot log to the wrong place.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from mlflow.entities import Metric, Param, RunTag
+from mlflow.tracking import MlflowClient
+
+log = logging.getLogger("selfsup.tracking")
+
+_PARAM_MAX = 6000
+_BATCH = 900  # MLflow accepts at most 1000 metrics per log_batch call
+
+
+def default_tracking_uri(workdir: str | os.PathLike) -> str:
+    """`MLFLOW_TRACKING_URI` if set, else a SQLite file inside the workdir."""
+    env = os.environ.get("MLFLOW_TRACKING_URI")
+    if env:
+        return env
+    return f"sqlite:///{Path(workdir).resolve() / 'mlflow.db'}"
+
+
+def flatten(prefix: str, obj: Any) -> dict[str, str]:
+    """Nested dict -> {"a.b.c": "value"} for MLflow params."""
+    out: dict[str, str] = {}
+    if isinstance(obj, Mapping):
+        for key, value in obj.items():
+            out.update(flatten(f"{prefix}.{key}" if prefix else str(key), value))
+    else:
+        out[prefix] = str(list(obj) if isinstance(obj, tuple) else obj)[:_PARAM_MAX]
+    return out
+
+
+def numeric_items(obj: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
+    """Numeric leaves of a nested dict (bools as 0/1), for metrics."""
+    out: dict[str, float] = {}
+    for key, value in obj.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out.update(numeric_items(value, name + "."))
+        elif isinstance(value, (int, float)) and not math.isnan(value):  # bools count as 0/1
+            out[name] = float(value)
+    return out
+
+
+class Tracker:
+    """A thin, explicit-run-id wrapper around `MlflowClient`."""
+
+    def __init__(self, tracking_uri: str, experiment: str, artifact_root: Path | None = None):
+        self.tracking_uri = tracking_uri
+        self.client = MlflowClient(tracking_uri=tracking_uri)
+        found = self.client.get_experiment_by_name(experiment)
+        if found is not None:
+            self.experiment_id = found.experiment_id
+        else:
+            location = artifact_root.resolve().as_uri() if artifact_root else None
+            self.experiment_id = self.client.create_experiment(experiment, artifact_location=location)
+
+    def start_run(self, name: str, tags: Mapping[str, str], parent_id: str | None = None) -> str:
+        tags = dict(tags)
+        if parent_id:
+            tags["mlflow.parentRunId"] = parent_id
+        run = self.client.create_run(self.experiment_id, run_name=name, tags=tags)
+        return run.info.run_id
+
+    def log_params(self, run_id: str, params: Mapping[str, str]) -> None:
+        items = [Param(k, v) for k, v in sorted(params.items())]
+        for i in range(0, len(items), 90):  # MLflow caps params per batch at 100
+            self.client.log_batch(run_id, params=items[i : i + 90])
+
+    def log_metrics(self, run_id: str, metrics: Mapping[str, float], step: int = 0) -> None:
+        now = int(time.time() * 1000)
+        items = [Metric(k, float(v), now, int(step)) for k, v in sorted(metrics.items())]
+        for i in range(0, len(items), _BATCH):
+            self.client.log_batch(run_id, metrics=items[i : i + _BATCH])
+
+    def set_tags(self, run_id: str, tags: Mapping[str, str]) -> None:
+        self.client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+
+    def log_artifact(self, run_id: str, path: str | os.PathLike, artifact_path: str | None = None) -> None:
+        self.client.log_artifact(run_id, str(path), artifact_path)
+
+    def end_run(self, run_id: str, status: str = "FINISHED") -> None:
+        self.client.set_terminated(run_id, status=status)
+
+    def metric_logger(self, run_id: str):
+        """A `log_metrics(metrics, step)` callable for library code that must not import mlflow."""
+
+        def _log(metrics: Mapping[str, float], step: int) -> None:
+            self.log_metrics(run_id, metrics, step)
+
+        return _log
