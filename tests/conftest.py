@@ -1,0 +1,52 @@
+"""Shared fixtures: one Prefect test harness for the whole run, MLflow on a temporary SQLite file."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# Stages called outside a flow (run_pipeline in unit tests) have no flow run to send logs to.
+os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
+
+import logging  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def prefect_harness():
+    """A throwaway Prefect API for tests that run flows (started once: it takes seconds)."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+        # pytest has closed the captured streams by now; the server's goodbye line would crash logging
+        logging.getLogger("prefect").setLevel(logging.WARNING)
+
+
+@pytest.fixture
+def mlflow_uri(tmp_path, monkeypatch):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    return uri
+
+
+@pytest.fixture
+def folder_corpus(tmp_path):
+    """A folder-per-class corpus with one bad file of each kind ingest must reject."""
+    root = tmp_path / "corpus"
+    (root / "birds").mkdir(parents=True)
+    (root / "fish").mkdir()
+    texts = {
+        "birds/a.txt": "Swallows cross the sky in long loops before the autumn storms arrive.",
+        "birds/b.txt": "A heron waits in the reeds, perfectly still, until a frog moves nearby.",
+        "fish/c.txt": "Salmon swim upstream against strong currents to reach their spawning beds.",
+        "fish/d.txt": "Coral reefs shelter thousands of small fish from larger hunting predators.",
+        "fish/copy.txt": "Salmon swim upstream against strong currents to reach their spawning beds.",
+    }
+    for rel, text in texts.items():
+        (root / rel).write_text(text, encoding="utf-8")
+    (root / "birds" / "latin1.txt").write_bytes("Caf\xe9 au lait with the morning birds singing".encode("latin-1"))
+    (root / "fish" / "empty.txt").write_text("   \n\t ", encoding="utf-8")
+    return root

@@ -1,0 +1,98 @@
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+from sklearn.metrics import accuracy_score, f1_score
+
+from selfsup_model.errors import UserError
+from selfsup_model.report import (
+    CONFUSION_PLOT,
+    CURVE_PLOT,
+    recompute_results,
+    render_markdown,
+    winner_statements,
+    write_report,
+)
+
+LABELS = np.array(["json", "email", "csv"])
+SKILL = {"tfidf": 0.6, "probe": 0.7, "full": 0.9}  # chance of predicting the true label
+
+
+def predictions_table(n_test=60, seed=0) -> pd.DataFrame:
+    rng = np.random.default_rng(seed)
+    truth = LABELS[rng.integers(0, 3, n_test)]
+    rows = []
+    for fraction in (0.25, 1.0):
+        for method, skill in SKILL.items():
+            guess = np.where(rng.random(n_test) < skill * (0.8 + 0.2 * fraction), truth,
+                             LABELS[rng.integers(0, 3, n_test)])
+            # Rows deliberately shuffled: recomputation must not depend on row order.
+            for i in rng.permutation(n_test):
+                rows.append({"id": f"doc{i:03d}", "method": method, "fraction": fraction,
+                             "label": truth[i], "prediction": guess[i]})
+    return pd.DataFrame(rows)
+
+
+def test_report_numbers_recompute_from_predictions(tmp_path):
+    table = predictions_table()
+    results = [{**r, "val_macro_f1": 0.5, "train_time_s": 1.25} for r in recompute_results(table, 200, 1)]
+    context = {"pretraining corpus": {"docs": 120, "tokens": 9000}, "scored tokens": 1350,
+               "leakage audit": "0 near-duplicates crossed", "labels": list(LABELS)}
+    written = write_report(tmp_path, results, context, predictions=table)
+    assert set(written) == {"report.md", "report.json", CURVE_PLOT, CONFUSION_PLOT}
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(written)  # no temp files left
+    for name in (CURVE_PLOT, CONFUSION_PLOT):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["context"]["scored tokens"] == 1350
+    again = {(r["method"], r["fraction"]): r for r in recompute_results(table, 200, 1)}
+    for row in report["results"]:
+        fresh = again[(row["method"], row["fraction"])]
+        for key in ("test_accuracy", "test_macro_f1", "test_accuracy_ci", "test_macro_f1_ci", "n_test"):
+            assert row[key] == pytest.approx(fresh[key])
+        group = table[(table.method == row["method"]) & (table.fraction == row["fraction"])]
+        assert row["test_accuracy"] == pytest.approx(accuracy_score(group.label, group.prediction))
+        assert row["test_macro_f1"] == pytest.approx(f1_score(group.label, group.prediction, average="macro"))
+        low, high = row["test_macro_f1_ci"]
+        assert low <= row["test_macro_f1"] <= high
+
+    markdown = (tmp_path / "report.md").read_text()
+    assert markdown.count("| full |") == 2 and "Label fraction 0.25:" in markdown
+    assert "leakage audit" in markdown and "not variation between training seeds" in markdown
+
+
+def test_recompute_is_independent_of_row_order():
+    table = predictions_table(seed=3)
+    shuffled = table.sample(frac=1.0, random_state=7)
+    assert recompute_results(table, 100, 2) == recompute_results(shuffled, 100, 2)
+
+
+def row(method, f1, ci, fraction=1.0):
+    return {"method": method, "fraction": fraction, "test_accuracy": f1, "test_macro_f1": f1,
+            "test_macro_f1_ci": ci}
+
+
+def test_statements_claim_only_what_the_intervals_support():
+    separated = winner_statements([row("probe", 0.60, (0.55, 0.65)), row("full", 0.80, (0.75, 0.85))])
+    assert separated == [
+        "Label fraction 1: full has the highest test macro-F1, 0.800 [0.750, 0.850]; "
+        "runner-up probe 0.600 [0.550, 0.650]. The intervals do not overlap."
+    ]
+    close = winner_statements([row("full", 0.80, (0.70, 0.90)), row("probe", 0.78, (0.68, 0.88)),
+                               row("tfidf", 0.10, (0.05, 0.15))])
+    assert close[0].endswith("The intervals overlap: this test set does not clearly separate them.")
+    assert "runner-up probe" in close[0]
+    assert "tie" in winner_statements([row("a", 0.5, (0.4, 0.6)), row("b", 0.5, (0.4, 0.6))])[0]
+    assert "nothing to compare" in winner_statements([row("full", 0.8, (0.7, 0.9), fraction=0.05)])[0]
+    assert "No interval" in winner_statements([row("a", 0.5, None), row("b", 0.4, None)])[0]
+
+
+def test_report_rejects_incomplete_results(tmp_path):
+    with pytest.raises(UserError, match="no results"):
+        render_markdown([], {})
+    with pytest.raises(UserError, match="lacks"):
+        write_report(tmp_path, [{"method": "full", "fraction": 1.0}], {})
+    with pytest.raises(UserError, match="lacks columns"):
+        recompute_results(pd.DataFrame({"id": [1]}))
