@@ -62,21 +62,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
     cfg = resolve_config(args.preset, None, args.overrides, args.config_file)
     results = pipeline_flow(corpus=args.corpus, corpus_format=args.corpus_format, workdir=args.workdir,
                             preset=args.preset, config=cfg, only=args.only, from_stage=args.from_stage,
-                            force=args.force) if not args.no_tracking else _run_untracked(args, cfg)
+                            force=args.force, tracking=not args.no_tracking)
     for r in results:
         print(f"  {r['stage']:<10} {r['status']:<8} {r['duration_s']:7.1f}s  {r['reason']}")
     print(f"Outputs: {args.workdir}/<stage>/   Summary: selfsup report --workdir {args.workdir} --json")
     print(f"MLflow:  selfsup ui --workdir {args.workdir}")
     return 0
-
-
-def _run_untracked(args: argparse.Namespace, cfg) -> list[dict]:
-    from flows.pipeline import run_pipeline, select_stages
-
-    force = list(args.force) + ([args.from_stage] if args.from_stage else [])
-    results = run_pipeline(cfg, args.corpus, args.corpus_format, args.workdir,
-                           select_stages(args.only, args.from_stage), force, args.preset, tracking=False)
-    return [r.__dict__ for r in results]
 
 
 def _cmd_stages(args: argparse.Namespace) -> int:

@@ -107,13 +107,15 @@ def pipeline_flow(
     only: str | None = None,
     from_stage: str | None = None,
     force: list[str] | None = None,
+    tracking: bool = True,
 ) -> list[dict[str, Any]]:
     """Run the selfsup pipeline: ingest -> ... -> compare, skipping stages that are up to date."""
     cfg = resolve_config(preset, config, overrides or [])
     force = list(force or [])
     if from_stage:
         force.append(from_stage)
-    results = run_pipeline(cfg, corpus, corpus_format, workdir, select_stages(only, from_stage), force, preset)
+    results = run_pipeline(cfg, corpus, corpus_format, workdir, select_stages(only, from_stage), force, preset,
+                           tracking=tracking)
     return [r.__dict__ for r in results]
 
 

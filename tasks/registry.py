@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
-from tasks import ingest
+from tasks import dedup, encode, ingest, masks, split, tokenizer
 
-# (spec, task) in the order the pipeline runs them; later stages append here.
+# (spec, task) in the order the pipeline runs them.
 PIPELINE = [
     (ingest.SPEC, ingest.ingest_task),
+    (dedup.SPEC, dedup.dedup_task),
+    (split.SPEC, split.split_task),
+    (tokenizer.SPEC, tokenizer.tokenizer_task),
+    (encode.SPEC, encode.encode_task),
+    (masks.SPEC, masks.masks_task),
 ]
 STAGE_NAMES: tuple[str, ...] = tuple(spec.name for spec, _ in PIPELINE)
 SPECS = {spec.name: spec for spec, _ in PIPELINE}
