@@ -59,7 +59,7 @@ def encode_split(tok: Tokenizer, texts: Sequence[str], cfg: EncodeConfig) -> Enc
     lengths, n_win, uncovered, windows = [], [], [], []
     # Chunked so peak memory is bounded by one batch of documents, not the split.
     for start in range(0, len(texts), cfg.batch_size):
-        chunk_lengths, flat = _tokenize(tok, texts[start:start + cfg.batch_size])
+        chunk_lengths, flat = _tokenize(tok, texts[start : start + cfg.batch_size])
         chunk_win, chunk_uncovered = _window_plan(chunk_lengths, cfg)
         windows.append(_build_windows(flat, chunk_lengths, chunk_win, cfg))
         lengths.append(chunk_lengths)
@@ -106,7 +106,9 @@ def _window_plan(lengths: np.ndarray, cfg: EncodeConfig) -> tuple[np.ndarray, np
     return n_win, np.maximum(lengths - covered, 0)
 
 
-def _build_windows(flat: np.ndarray, lengths: np.ndarray, n_win: np.ndarray, cfg: EncodeConfig) -> np.ndarray:
+def _build_windows(
+    flat: np.ndarray, lengths: np.ndarray, n_win: np.ndarray, cfg: EncodeConfig
+) -> np.ndarray:
     """(n_windows, max_len) int32 framed windows, documents in input order."""
     content = cfg.max_len - 2
     stride = content - cfg.overlap
@@ -125,7 +127,7 @@ def _build_windows(flat: np.ndarray, lengths: np.ndarray, n_win: np.ndarray, cfg
     col = np.arange(content)
     valid = col[None, :] < length[:, None]  # (W, content)
     src = doc_start[doc][:, None] + begin[:, None] + col[None, :]  # (W, content)
-    out[:, 1:content + 1][valid] = flat[src[valid]]
+    out[:, 1 : content + 1][valid] = flat[src[valid]]
     out[np.arange(total), length + 1] = SEP_ID
     return out
 
@@ -174,6 +176,10 @@ def load_windows(directory: str | os.PathLike, split: str, mmap: bool = True) ->
             raise ArtifactError(f"missing encoded array {path}; rerun the encode stage")
         mode = "r" if mmap and suffix == "windows" else None
         out[suffix] = np.load(path, mmap_mode=mode, allow_pickle=False)
-    if out["doc_offsets"][-1] != len(out["windows"]) or len(out["kept"]) + 1 != len(out["doc_offsets"]):
-        raise ArtifactError(f"encoded arrays for split {split!r} in {directory} disagree; rerun encode")
+    if out["doc_offsets"][-1] != len(out["windows"]) or len(out["kept"]) + 1 != len(
+        out["doc_offsets"]
+    ):
+        raise ArtifactError(
+            f"encoded arrays for split {split!r} in {directory} disagree; rerun encode"
+        )
     return out

@@ -48,7 +48,7 @@ DENSE_KEYS = ("input_ids", "target_ids", "loss_weights", "corruption")
 GATHERED_KEYS = ("mask_positions", "mask_ids", "mask_weights")
 MASK_KEYS = DENSE_KEYS + GATHERED_KEYS + ("num_eligible",)
 _TOP_BIT = np.uint64(1 << 63)
-# Fixed zip timestamp (the zip epoch) so two saves of the same arrays are byte-identical.
+# Fixed zip entry date (the zip epoch): two saves of the same arrays are byte-identical.
 _ZIP_DATE = (1980, 1, 1, 0, 0, 0)
 
 
@@ -90,13 +90,15 @@ def mask_tokens(
     input_flat = input_ids.reshape(-1)
     input_flat[flat[kind == CORRUPT_MASK]] = MASK_ID
     is_random = flat[kind == CORRUPT_RANDOM]
-    input_flat[is_random] = rng.integers(NUM_SPECIAL, vocab_size, size=is_random.size, dtype=np.int32)
+    input_flat[is_random] = rng.integers(
+        NUM_SPECIAL, vocab_size, size=is_random.size, dtype=np.int32
+    )
     corruption = np.zeros((batch, length), dtype=np.int8)
     corruption.reshape(-1)[flat] = kind
 
     out = {
         "input_ids": input_ids,
-        "target_ids": ids,
+        "target_ids": ids.copy(),  # never alias the caller's (possibly memory-mapped) batch
         "loss_weights": selected.astype(np.float32),
         "corruption": corruption,
     }
@@ -114,7 +116,9 @@ def _check_batch(ids: np.ndarray, vocab_size: int) -> np.ndarray:
         )
     ids = np.asarray(ids)
     if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
-        raise UserError(f"token ids must be a 2-D integer array (batch, length), got {ids.dtype} {ids.shape}")
+        raise UserError(
+            f"token ids must be a 2-D integer array (batch, length), got {ids.dtype} {ids.shape}"
+        )
     ids = ids.astype(np.int32, copy=False)
     if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
         raise UserError(
@@ -124,7 +128,9 @@ def _check_batch(ids: np.ndarray, vocab_size: int) -> np.ndarray:
     return ids
 
 
-def _selection_sizes(num_eligible: np.ndarray, rng: np.random.Generator, cfg: MaskingConfig) -> np.ndarray:
+def _selection_sizes(
+    num_eligible: np.ndarray, rng: np.random.Generator, cfg: MaskingConfig
+) -> np.ndarray:
     """(B,) int64 positions to select per row, per the selection rule and empty policy."""
     if cfg.selection == "fixed":
         wanted = np.maximum(1, np.rint(num_eligible * cfg.select_rate).astype(np.int64))
@@ -139,7 +145,7 @@ def _selection_sizes(num_eligible: np.ndarray, rng: np.random.Generator, cfg: Ma
 def _select_positions(
     eligible: np.ndarray, num_select: np.ndarray, rng: np.random.Generator, max_predictions: int
 ) -> np.ndarray:
-    """(B, L) bool: in each row the `num_select` eligible positions with the smallest random keys."""
+    """(B, L) bool: per row, the `num_select` eligible positions with the smallest random keys."""
     batch, length = eligible.shape
     if batch == 0 or length == 0 or not num_select.any():
         return np.zeros((batch, length), dtype=bool)
@@ -173,7 +179,9 @@ def _corruption_kinds(n: int, rng: np.random.Generator, cfg: MaskingConfig) -> n
     return kind
 
 
-def _gather(ids: np.ndarray, flat: np.ndarray, num_select: np.ndarray, width: int) -> dict[str, np.ndarray]:
+def _gather(
+    ids: np.ndarray, flat: np.ndarray, num_select: np.ndarray, width: int
+) -> dict[str, np.ndarray]:
     """Selected positions packed left into (B, width) slots, ascending, zero-padded."""
     batch, length = ids.shape
     rows, cols = np.divmod(flat, length)  # (S,)
@@ -217,7 +225,9 @@ def make_static_masks(
     rng = np.random.default_rng(seed)
     n = len(windows)
     starts = range(0, n, batch_size) if n else [0]
-    parts = [mask_tokens(np.asarray(windows[s:s + batch_size]), rng, cfg, vocab_size) for s in starts]
+    parts = [
+        mask_tokens(np.asarray(windows[s : s + batch_size]), rng, cfg, vocab_size) for s in starts
+    ]
     return {key: np.concatenate([p[key] for p in parts]) for key in MASK_KEYS}
 
 
@@ -229,9 +239,10 @@ def save_masks(path: str | os.PathLike, masks: dict[str, np.ndarray]) -> None:
     shapes = {k: np.shape(masks[k]) for k in DENSE_KEYS}
     if len(set(shapes.values())) != 1:
         raise ValueError(f"dense mask arrays must share one shape, got {shapes}")
-    # np.savez stamps each zip entry with the current time, so two saves a second
-    # apart differ; writing entries with a fixed date makes the file a pure function
-    # of the arrays, and its sha256 a stable fingerprint for the manifest.
+    # The file's sha256 fingerprints the validation masks in the manifest, so it must be
+    # a pure function of the arrays. Today's np.savez happens to leave entries at the
+    # zip epoch (older numpy releases stamped a file time); pinning the
+    # date, order, attributes and ZIP_STORED here does not depend on that detail.
     with atomic_path(path) as tmp, zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED) as zf:
         for key in MASK_KEYS:
             info = zipfile.ZipInfo(f"{key}.npy", date_time=_ZIP_DATE)

@@ -35,8 +35,9 @@ order-independent), which `tests/model/test_tokenization.py` checks.
 
 from __future__ import annotations
 
+import itertools
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -54,6 +55,9 @@ _STATS_BATCH = 1024
 def fit_tokenizer(texts: Iterable[str], cfg: TokenizerConfig) -> Tokenizer:
     """Train a tokenizer on `texts` (the training split only); special ids are 0..6."""
     corpus = list(texts)
+    bad = next((i for i, t in enumerate(corpus) if not isinstance(t, str)), None)
+    if bad is not None:
+        raise UserError(f"training text #{bad} is {type(corpus[bad]).__name__}, not str")
     if not any(t.strip() for t in corpus):
         raise UserError(
             "cannot fit the tokenizer: the training texts are empty "
@@ -70,8 +74,10 @@ def fit_tokenizer(texts: Iterable[str], cfg: TokenizerConfig) -> Tokenizer:
 
 def _wordpiece_normalizer(cfg: TokenizerConfig) -> normalizers.Normalizer:
     bert = normalizers.BertNormalizer(
-        clean_text=True, handle_chinese_chars=True,
-        strip_accents=cfg.lowercase, lowercase=cfg.lowercase,
+        clean_text=True,
+        handle_chinese_chars=True,
+        strip_accents=cfg.lowercase,
+        lowercase=cfg.lowercase,
     )
     return normalizers.Sequence([normalizers.NFC(), bert])
 
@@ -79,8 +85,17 @@ def _wordpiece_normalizer(cfg: TokenizerConfig) -> normalizers.Normalizer:
 def _continuation_tokens(corpus: Sequence[str], norm, pre) -> list[str]:
     """``##c`` for every normalised character that can sit inside a word, sorted."""
     chars: set[str] = set()
+    ascii_chars: set[str] = set()
     for text in corpus:
-        chars.update(norm.normalize_str(text))
+        if text.isascii():
+            ascii_chars.update(text)
+        else:
+            chars.update(norm.normalize_str(text))
+    # Pure-ASCII text normalises character by character (nothing composes with ASCII
+    # unless a combining mark is present, and that is not ASCII), so its characters
+    # are normalised once each instead of once per document: most corpora are ASCII.
+    for c in ascii_chars:
+        chars.update(norm.normalize_str(c))
     # A character continues a word iff the pre-tokeniser leaves "a<c>a" whole.
     inner = [c for c in sorted(chars) if len(pre.pre_tokenize_str(f"a{c}a")) == 1]
     return [CONTINUATION_PREFIX + c for c in inner]
@@ -91,12 +106,16 @@ def _fit_wordpiece(corpus: Sequence[str], cfg: TokenizerConfig) -> Tokenizer:
     pre = pre_tokenizers.BertPreTokenizer()
     # Pre-registering the ##c tokens is the determinism fix (module docstring).
     seeded = list(SPECIAL_TOKENS) + _continuation_tokens(corpus, norm, pre)
-    scratch = Tokenizer(models.WordPiece(unk_token=UNK, continuing_subword_prefix=CONTINUATION_PREFIX))
+    scratch = Tokenizer(
+        models.WordPiece(unk_token=UNK, continuing_subword_prefix=CONTINUATION_PREFIX)
+    )
     scratch.normalizer = norm
     scratch.pre_tokenizer = pre
     trainer = trainers.WordPieceTrainer(
-        vocab_size=cfg.vocab_size, min_frequency=cfg.min_frequency,
-        special_tokens=seeded, continuing_subword_prefix=CONTINUATION_PREFIX,
+        vocab_size=cfg.vocab_size,
+        min_frequency=cfg.min_frequency,
+        special_tokens=seeded,
+        continuing_subword_prefix=CONTINUATION_PREFIX,
         show_progress=False,
     )
     scratch.train_from_iterator(corpus, trainer, length=len(corpus))
@@ -119,7 +138,8 @@ def _fit_byte_level_bpe(corpus: Sequence[str], cfg: TokenizerConfig) -> Tokenize
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=cfg.vocab_size, min_frequency=cfg.min_frequency,
+        vocab_size=cfg.vocab_size,
+        min_frequency=cfg.min_frequency,
         special_tokens=list(SPECIAL_TOKENS),
         # All 256 byte symbols, so nothing is ever [UNK] (vocab is at least 263).
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
@@ -155,16 +175,14 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
 
 
 def tokenizer_stats(tok: Tokenizer, texts: Iterable[str]) -> dict[str, Any]:
-    """vocab_size; unk_rate = [UNK] / produced tokens; tokens_per_word = tokens / whitespace words."""
-    n_tokens = n_unk = n_words = 0
-    batch: list[str] = []
-    for text in texts:
-        batch.append(text)
-        if len(batch) == _STATS_BATCH:
-            n_tokens, n_unk, n_words = _add_stats(tok, batch, n_tokens, n_unk, n_words)
-            batch = []
-    if batch:
-        n_tokens, n_unk, n_words = _add_stats(tok, batch, n_tokens, n_unk, n_words)
+    """Vocabulary size, [UNK] share of produced tokens, and tokens per whitespace word.
+
+    Counted with `encode_batch(..., add_special_tokens=False)`, so only content tokens.
+    """
+    totals = np.zeros(3, dtype=np.int64)  # tokens, [UNK] tokens, whitespace words
+    for batch in _batches(texts, _STATS_BATCH):
+        totals += _batch_stats(tok, batch)
+    n_tokens, n_unk, n_words = (int(v) for v in totals)
     return {
         "vocab_size": tok.get_vocab_size(),
         "tokens": n_tokens,
@@ -174,11 +192,14 @@ def tokenizer_stats(tok: Tokenizer, texts: Iterable[str]) -> dict[str, Any]:
     }
 
 
-def _add_stats(tok: Tokenizer, batch: list[str], n_tokens: int, n_unk: int, n_words: int):
-    encs = tok.encode_batch(batch, add_special_tokens=False)
-    lengths = [len(e.ids) for e in encs]
-    if sum(lengths):
-        ids = np.concatenate([np.asarray(e.ids, dtype=np.int32) for e in encs])
-        n_unk += int(np.count_nonzero(ids == UNK_ID))
-    n_words += sum(len(t.split()) for t in batch)
-    return n_tokens + sum(lengths), n_unk, n_words
+def _batches(texts: Iterable[str], size: int) -> Iterator[list[str]]:
+    it = iter(texts)
+    while batch := list(itertools.islice(it, size)):
+        yield batch
+
+
+def _batch_stats(tok: Tokenizer, batch: list[str]) -> np.ndarray:
+    ids = [e.ids for e in tok.encode_batch(batch, add_special_tokens=False)]
+    flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32)
+    words = sum(len(t.split()) for t in batch)
+    return np.array([flat.size, np.count_nonzero(flat == UNK_ID), words], dtype=np.int64)

@@ -9,9 +9,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # Stages called outside a flow (run_pipeline in unit tests) have no flow run to send logs to.
 os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
 
-import logging  # noqa: E402
+import logging
 
-import pytest  # noqa: E402
+import pytest
 
 
 @pytest.fixture(scope="session")

@@ -26,7 +26,7 @@ from selfsup_model.specials import (
 def tok() -> Tokenizer:
     """Word-level tokenizer where word "tK" has id NUM_SPECIAL + K: ids are hand-checkable."""
     vocab = {s: i for i, s in enumerate(SPECIAL_TOKENS)}
-    vocab.update({f"t{k}": NUM_SPECIAL + k for k in range(200)})
+    vocab.update({f"t{k}": NUM_SPECIAL + k for k in range(600)})
     t = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     t.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return t
@@ -105,7 +105,7 @@ def test_windows_rebuild_each_document_and_never_cross(
         max_len=max_len, overlap=overlap, max_windows_per_doc=max_windows, batch_size=batch_size
     )
     # Documents use disjoint id ranges, so a crossing window would show a foreign id.
-    firsts = [10 * i for i in range(len(lengths))]
+    firsts = [41 * i for i in range(len(lengths))]
     texts = [doc(f, n) for f, n in zip(firsts, lengths, strict=True)]
     out = encode_split(tok, texts, cfg)
 

@@ -5,7 +5,13 @@ from hypothesis import strategies as st
 
 from selfsup_model.config import IngestConfig
 from selfsup_model.errors import CorpusError
-from selfsup_model.ingest import REJECT_REASONS, RawRecord, ingest_corpus, ingest_records, normalise_text
+from selfsup_model.ingest import (
+    REJECT_REASONS,
+    RawRecord,
+    ingest_corpus,
+    ingest_records,
+    normalise_text,
+)
 
 CFG = IngestConfig(min_chars=20)
 
