@@ -1,0 +1,43 @@
+"""pretrain: training windows + static validation masks -> encoder.keras, pretrain_model.keras, history."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from selfsup_model.masking import load_masks
+from selfsup_model.tokenization import load_tokenizer
+from selfsup_model.training import pretrain
+from tasks.stage import RunContext, StageOutput, StageResult, StageSpec, run_stage
+
+SPEC = StageSpec(
+    "pretrain",
+    # Only the training split's windows: pretraining never reads validation or test text.
+    inputs=("encode/train_windows.npy", "masks/val_masks.npz", "tokenizer/tokenizer.json"),
+    sections=("model", "pretrain", "masks"),
+)
+OUTPUTS = ["encoder.keras", "pretrain_model.keras", "history.json", "loss_curve.png"]
+
+
+def compute(ctx: RunContext, out: Path, inputs: dict[str, Path]) -> StageOutput:
+    vocab_size = load_tokenizer(inputs["tokenizer/tokenizer.json"]).get_vocab_size()
+    windows = np.load(inputs["encode/train_windows.npy"], mmap_mode="r", allow_pickle=False)
+    val_masks = load_masks(inputs["masks/val_masks.npz"])
+    cfg = ctx.config
+    result = pretrain(windows, val_masks, vocab_size, cfg.model, cfg.pretrain, cfg.masks, out,
+                      log_metrics=ctx.metric_logger())
+    counts = {"steps": result.steps, "tokens_seen": result.tokens_seen,
+              "scored_tokens": int(result.scored_tokens), "empty_batches": result.empty_batches,
+              "resumed_from_step": result.resumed_from_step, "train_windows": int(windows.shape[0])}
+    metrics = {**result.val_metrics, "val/unigram_baseline_loss": result.unigram_baseline_loss,
+               "train/tokens_per_s": result.tokens_per_s}
+    return StageOutput(OUTPUTS, counts, metrics, log_artifacts=["history.json", "loss_curve.png"])
+
+
+@task(name="pretrain", cache_policy=NO_CACHE, persist_result=False)
+def pretrain_task(ctx: RunContext) -> StageResult:
+    """Pretrain the encoder with the token-weighted masked-LM (or causal-LM) objective."""
+    return run_stage(SPEC, ctx, compute)
