@@ -190,10 +190,20 @@ def train_classifier(
 def predict_classes(model: keras.Model, ids: np.ndarray, batch_size: int = 64) -> np.ndarray:
     """Arg-max class ids (N,) for token ids (N, L)."""
     ids = np.asarray(ids, dtype=np.int32)
-    if len(ids) == 0:
-        return np.zeros((0,), dtype=np.int64)
-    logits = model.predict(ids, batch_size=batch_size, verbose=0)  # (N, C)
-    return np.argmax(logits, axis=-1).astype(np.int64)
+    out = [np.zeros((0,), dtype=np.int64)]
+    for start in range(0, len(ids), batch_size):
+        batch = ids[start : start + batch_size]  # (b, L)
+        real = len(batch)
+        if real < batch_size:
+            # Fill with all-PAD rows (dropped below) so every call has one shape:
+            # one compiled function, no retrace for the last batch.
+            filler = np.full((batch_size - real, ids.shape[1]), PAD_ID, dtype=np.int32)
+            batch = np.concatenate([batch, filler])
+        # predict_on_batch skips predict()'s per-call dataset setup, which dominates
+        # when validation runs after every epoch.
+        logits = np.asarray(model.predict_on_batch(batch))[:real]  # (b, C)
+        out.append(np.argmax(logits, axis=-1).astype(np.int64))
+    return np.concatenate(out)
 
 
 def class_ids(labels: Sequence[str], classes: Sequence[str]) -> np.ndarray:
@@ -252,9 +262,14 @@ def _check_split(name: str, split: tuple[np.ndarray, np.ndarray], num_classes: i
 
 
 def _check_length(name: str, ids: np.ndarray, backbone: keras.Model) -> None:
-    expected = backbone.input_shape[1]
+    fixed = backbone.input_shape[1]
+    # A variable-length encoder still has a last learned position (its position
+    # embedding's `max_len`); past it a lookup fails on CPU and reads zeros on GPU.
+    limits = [layer.max_len for layer in backbone.layers if isinstance(getattr(layer, "max_len", None), int)]
     ids = np.asarray(ids)
-    if ids.ndim != 2 or (expected is not None and ids.shape[1] != expected):
+    too_long = ids.ndim == 2 and limits and ids.shape[1] > min(limits)
+    if ids.ndim != 2 or (fixed is not None and ids.shape[1] != fixed) or too_long:
+        expected = fixed if fixed is not None else f"<= {min(limits)}" if limits else "L"
         raise UserError(
             f"{name} ids have shape {ids.shape} but the encoder expects (n, {expected}); "
             "encode with the same max_len as pretraining"

@@ -163,8 +163,10 @@ def plot_confusion(y_true, y_pred, labels: Sequence, title: str, path: str | Pat
     ax.set_ylabel("true")
     ax.set_title(title, fontsize="small")
     if k <= 20:  # counts stay legible only for small label sets
+        dark = matrix > matrix.max() / 2  # white digits on dark cells
         for i, j in np.ndindex(matrix.shape):
-            ax.text(j, i, str(matrix[i, j]), ha="center", va="center", fontsize=7)
+            ax.text(j, i, str(matrix[i, j]), ha="center", va="center", fontsize=7,
+                    color="white" if dark[i, j] else "black")
     return _save(fig, path)
 
 

@@ -21,7 +21,7 @@ from selfsup_model.model import build_backbone
 from selfsup_model.specials import CLS_ID, PAD_ID, SEP_ID
 
 VOCAB, MAX_LEN, HIDDEN = 20, 8, 8
-CFG = FinetuneConfig(epochs=3, batch_size=16, patience=2, dropout=0.0)
+CFG = FinetuneConfig(epochs=2, batch_size=8, patience=1, dropout=0.0)
 
 
 def tiny_backbone() -> keras.Model:
@@ -80,6 +80,16 @@ def test_masked_mean_pooling_ignores_pad_length_and_content(pad_value):
         np.testing.assert_allclose(p, real.mean(axis=1), rtol=1e-6)
 
 
+@pytest.mark.parametrize("pooling", ["mean", "cls"])
+def test_classifier_output_independent_of_padding(pooling):
+    keras.utils.set_random_seed(0)
+    model = build_classifier(tiny_backbone(), 3, pooling=pooling, dropout=0.0)
+    doc = [CLS_ID, 9, 14, 11, SEP_ID]
+    logits = [np.asarray(model(np.array([doc + [PAD_ID] * pad], np.int32))) for pad in (0, 1, 3)]
+    for other in logits[1:]:
+        np.testing.assert_allclose(other, logits[0], atol=1e-5)
+
+
 def test_cls_pooling_takes_position_zero():
     states = np.arange(12, dtype=np.float32).reshape(1, 4, 3)
     ids = np.array([[CLS_ID, 9, SEP_ID, PAD_ID]], np.int32)
@@ -89,9 +99,24 @@ def test_cls_pooling_takes_position_zero():
 # ---------------------------------------------------------------- training modes
 
 
-def test_probe_changes_no_backbone_weight(pretrained):
+@pytest.fixture(scope="module")
+def probe_runs(pretrained):
+    """Two identical probe trainings that differ only in the unlabelled "test" set they predict."""
+    train, val = make_docs(32, 1), make_docs(16, 2)
+    fixed = make_docs(10, 9)[0]
+    # A brisk head rate: validation F1 moves between epochs (on TF), so selection matters.
+    cfg = FinetuneConfig(epochs=6, batch_size=8, patience=2, dropout=0.2, head_learning_rate=0.1)
+    runs = []
+    for test_seed in (5, 6):
+        test_ids = make_docs(12 + test_seed, test_seed)[0]
+        runs.append(train_classifier(pretrained, train, val, 2, "probe", cfg, seed=3,
+                                     eval_sets={"test": test_ids, "fixed": fixed}))
+    return runs, val, cfg
+
+
+def test_probe_changes_no_backbone_weight(pretrained, probe_runs):
+    (result, _), _, _ = probe_runs
     before = backbone_weights(build_classifier(pretrained(), 2))
-    result = train_classifier(pretrained, make_docs(32, 1), make_docs(16, 2), 2, "probe", CFG, seed=1)
     after = backbone_weights(result.model)
     assert len(after) == len(before) > 0
     for b, a in zip(before, after):
@@ -100,11 +125,26 @@ def test_probe_changes_no_backbone_weight(pretrained):
     assert [v.path for v in result.model.trainable_variables] == ["head_logits/kernel", "head_logits/bias"]
 
 
+def test_selection_uses_validation_only(probe_runs):
+    (a, b), val, cfg = probe_runs
+    assert len({h["loss"] for h in a.history}) == len(a.history) > 1  # it did train
+    # Different test sets, same selection: test data played no part in it.
+    assert a.history == b.history and a.best_epoch == b.best_epoch
+    assert a.val_macro_f1 == b.val_macro_f1
+    np.testing.assert_array_equal(a.predictions["fixed"], b.predictions["fixed"])
+    np.testing.assert_array_equal(a.val_predictions, b.val_predictions)
+    # The returned model is the best validation epoch, and patience bounds the run.
+    assert a.val_macro_f1 == max(h["val_macro_f1"] for h in a.history)
+    assert macro_f1(val[1], predict_classes(a.model, val[0])) == a.val_macro_f1
+    assert a.epochs_run == cfg.epochs or a.epochs_run - a.best_epoch == cfg.patience
+
+
 def test_full_changes_backbone_and_round_trips(pretrained, tmp_path):
     before = backbone_weights(build_classifier(pretrained(), 2))
-    result = train_classifier(pretrained, make_docs(32, 1), make_docs(16, 2), 2, "full", CFG, seed=1)
-    after = backbone_weights(result.model)
-    assert all(not np.array_equal(a, b) for a, b in zip(after, before))
+    result = train_classifier(pretrained, make_docs(16, 1), make_docs(8, 2), 2, "full", CFG, seed=1)
+    changed = [not np.array_equal(a, b) for a, b in zip(backbone_weights(result.model), before)]
+    # Nearly all, not all: e.g. an attention key bias has an exactly-zero gradient.
+    assert sum(changed) >= 0.9 * len(changed)
     assert isinstance(result.model.optimizer, TwoRateAdam)
     path = tmp_path / "classifier.keras"
     result.model.save(path)
@@ -128,34 +168,15 @@ def test_scratch_starts_from_fresh_weights(tmp_path):
     marked = tiny_backbone()
     marked.set_weights([np.full_like(w, 0.5) for w in marked.get_weights()])
     marked.save(tmp_path / "encoder.keras")
-    factory = lambda: keras.saving.load_model(tmp_path / "encoder.keras", safe_mode=True)  # noqa: E731
+
+    def factory():
+        return keras.saving.load_model(tmp_path / "encoder.keras", safe_mode=True)
+
     frozen_lr = FinetuneConfig(epochs=1, batch_size=16, head_learning_rate=1e-12, encoder_learning_rate=1e-12)
     result = train_classifier(factory, make_docs(16, 1), make_docs(8, 2), 2, "scratch", frozen_lr, seed=1)
     for w in backbone_weights(result.model):
         assert not np.allclose(w, 0.5)
     assert [w.shape for w in backbone_weights(result.model)] == [w.shape for w in marked.get_weights()]
-
-
-def test_selection_uses_validation_only(pretrained):
-    train, val = make_docs(32, 1), make_docs(16, 2)
-    fixed = make_docs(10, 9)[0]
-    # A probe with a brisk rate: validation F1 moves between epochs, so selection matters.
-    cfg = FinetuneConfig(epochs=6, batch_size=8, patience=2, dropout=0.2, head_learning_rate=0.03)
-    runs = []
-    for test_seed in (5, 6):  # two different "test" sets, unlabelled, predicted after selection
-        test_ids = make_docs(12 + test_seed, test_seed)[0]
-        runs.append(train_classifier(pretrained, train, val, 2, "probe", cfg, seed=3,
-                                     eval_sets={"test": test_ids, "fixed": fixed}))
-    a, b = runs
-    assert len({h["val_macro_f1"] for h in a.history}) > 1
-    assert a.history == b.history and a.best_epoch == b.best_epoch
-    assert a.val_macro_f1 == b.val_macro_f1
-    np.testing.assert_array_equal(a.predictions["fixed"], b.predictions["fixed"])
-    np.testing.assert_array_equal(a.val_predictions, b.val_predictions)
-    # The returned model is the best validation epoch, and patience bounds the run.
-    assert a.val_macro_f1 == max(h["val_macro_f1"] for h in a.history)
-    assert macro_f1(val[1], predict_classes(a.model, val[0])) == a.val_macro_f1
-    assert a.epochs_run == cfg.epochs or a.epochs_run - a.best_epoch == cfg.patience
 
 
 def test_training_errors_are_clear(pretrained):
@@ -164,8 +185,9 @@ def test_training_errors_are_clear(pretrained):
         train_classifier(pretrained, (ids, np.zeros(8, int)), (ids, y), 2, "probe", CFG, seed=0)
     with pytest.raises(UserError, match="unknown fine-tuning mode"):
         train_classifier(pretrained, (ids, y), (ids, y), 2, "linear", CFG, seed=0)
+    too_long = np.pad(ids, ((0, 0), (0, 4)))  # (8, MAX_LEN + 4): past the last learned position
     with pytest.raises(UserError, match="same max_len"):
-        train_classifier(pretrained, (ids[:, :5], y), (ids[:, :5], y), 2, "probe", CFG, seed=0)
+        train_classifier(pretrained, (too_long, y), (ids, y), 2, "probe", CFG, seed=0)
     with pytest.raises(UserError, match="at least 2 classes"):
         build_classifier(pretrained(), 1)
     with pytest.raises(UserError, match="not in the training label set"):

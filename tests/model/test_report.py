@@ -78,7 +78,7 @@ def test_statements_claim_only_what_the_intervals_support():
     separated = winner_statements([row("probe", 0.60, (0.55, 0.65)), row("full", 0.80, (0.75, 0.85))])
     assert separated == [
         "Label fraction 1: full has the highest test macro-F1, 0.800 [0.750, 0.850]; "
-        "runner-up probe 0.600 [0.550, 0.650]. The intervals do not overlap."
+        + "runner-up probe 0.600 [0.550, 0.650]. The intervals do not overlap."
     ]
     close = winner_statements([row("full", 0.80, (0.70, 0.90)), row("probe", 0.78, (0.68, 0.88)),
                                row("tfidf", 0.10, (0.05, 0.15))])
