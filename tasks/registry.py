@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
-from tasks import dedup, encode, ingest, masks, split, tokenizer
+from tasks import (
+    baseline,
+    compare,
+    dedup,
+    encode,
+    finetune,
+    ingest,
+    masks,
+    pretrain,
+    split,
+    tokenizer,
+)
 
 # (spec, task) in the order the pipeline runs them.
 PIPELINE = [
@@ -12,6 +23,10 @@ PIPELINE = [
     (tokenizer.SPEC, tokenizer.tokenizer_task),
     (encode.SPEC, encode.encode_task),
     (masks.SPEC, masks.masks_task),
+    (pretrain.SPEC, pretrain.pretrain_task),
+    (finetune.SPEC, finetune.finetune_task),
+    (baseline.SPEC, baseline.baseline_task),
+    (compare.SPEC, compare.compare_task),
 ]
 STAGE_NAMES: tuple[str, ...] = tuple(spec.name for spec, _ in PIPELINE)
 SPECS = {spec.name: spec for spec, _ in PIPELINE}

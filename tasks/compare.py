@@ -1,0 +1,94 @@
+"""compare: every method x label fraction on the same test split -> report.md/json, predictions, plots."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pandas as pd
+from prefect import task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
+from prefect.context import TaskRunContext
+
+from selfsup_model.artifacts import atomic_path, atomic_write_text, read_manifest
+from selfsup_model.report import recompute_results, write_report
+from tasks.io import read_parquet, write_parquet
+from tasks.stage import RunContext, StageOutput, StageResult, StageSpec, run_stage
+
+log = logging.getLogger("selfsup.compare")
+SPEC = StageSpec(
+    "compare",
+    inputs=("finetune/predictions.parquet", "finetune/results.json", "baseline/predictions.parquet",
+            "baseline/results.json", "pretrain/history.json", "pretrain/loss_curve.png", "split/audit.json"),
+    sections=("compare",),
+)
+
+
+def _training_summaries(inputs: dict[str, Path]) -> dict[tuple[str, float], dict]:
+    out = {}
+    for stage in ("finetune", "baseline"):
+        for s in json.loads(inputs[f"{stage}/results.json"].read_text())["results"]:
+            out[(s["method"], float(s["fraction"]))] = s
+    return out
+
+
+def report_context(ctx: RunContext, inputs: dict[str, Path], n_test: int) -> dict:
+    """The numbers a reader needs beside the table: corpus, pretraining and audit."""
+    pre = read_manifest(ctx.stage_dir("pretrain"))
+    enc = read_manifest(ctx.stage_dir("encode"))
+    audit = json.loads(inputs["split/audit.json"].read_text())["audit"]
+    return {
+        "test documents": n_test,
+        "pretraining corpus (train split)": f"{enc.counts['splits']['train']['kept_docs']} documents, "
+                                            f"{enc.counts['splits']['train']['sequences']} windows",
+        "pretraining": f"{pre.counts['steps']} steps, {pre.counts['tokens_seen']} input tokens, "
+                       f"{pre.counts['scored_tokens']} scored tokens ({ctx.config.pretrain.objective})",
+        "final validation loss": {k: round(v, 4) for k, v in pre.metrics.items() if k.startswith("val/")},
+        "leakage audit": "passed (no near-duplicates or groups across splits)" if audit.get("passed")
+                         else f"FAILED: {audit.get('message')}",
+    }
+
+
+def compute(ctx: RunContext, out: Path, inputs: dict[str, Path]) -> StageOutput:
+    predictions = pd.concat([read_parquet(inputs["finetune/predictions.parquet"]),
+                             read_parquet(inputs["baseline/predictions.parquet"])], ignore_index=True)
+    if predictions.empty:
+        log.warning("compare skipped: no method produced predictions (the corpus has no usable labels)")
+        atomic_write_text(out / "report.md", "# selfsup comparison\n\nSkipped: the corpus has no usable labels.\n")
+        return StageOutput(["report.md"], {"skipped": 1, "results": 0})
+    results = recompute_results(predictions, ctx.config.compare.bootstrap, ctx.config.compare.seed)
+    trained = _training_summaries(inputs)
+    for r in results:
+        extra = trained.get((r["method"], r["fraction"]), {})
+        r.update({k: extra[k] for k in ("val_macro_f1", "train_time_s", "n_train") if k in extra})
+    n_test = predictions.groupby(["method", "fraction"]).size().max()
+    files = write_report(out, results, report_context(ctx, inputs, int(n_test)), predictions)
+    files.append(write_parquet(predictions, out / "predictions.parquet"))
+    with atomic_path(out / "pretrain_loss_curve.png") as tmp:
+        shutil.copyfile(inputs["pretrain/loss_curve.png"], tmp)
+    files.append("pretrain_loss_curve.png")
+    _publish(ctx, out, [f for f in files if f.endswith((".md", ".json", ".png"))])
+    best = max(results, key=lambda r: (r["test_macro_f1"], r["method"]))
+    counts = {"results": len(results), "methods": predictions["method"].nunique(), "n_test": int(n_test)}
+    metrics = {f"{r['method']}@{r['fraction']:g}/test_macro_f1": r["test_macro_f1"] for r in results}
+    metrics["best_test_macro_f1"] = best["test_macro_f1"]
+    return StageOutput(files, counts, metrics, log_artifacts=[f for f in files if not f.endswith(".parquet")])
+
+
+def _publish(ctx: RunContext, out: Path, files: list[str]) -> None:
+    """The report on the MLflow parent run and as a Prefect markdown artifact."""
+    if ctx.tracker is not None and ctx.parent_run_id:
+        for name in files:
+            ctx.tracker.log_artifact(ctx.parent_run_id, out / name, "report")
+    if TaskRunContext.get() is not None:  # called outside Prefect (plain function): nowhere to attach
+        create_markdown_artifact(key="selfsup-comparison", markdown=(out / "report.md").read_text(),
+                                 description="selfsup: test metrics of every method x label fraction")
+
+
+@task(name="compare", cache_policy=NO_CACHE, persist_result=False)
+def compare_task(ctx: RunContext) -> StageResult:
+    """Compare all methods on the same test split, with bootstrap intervals."""
+    return run_stage(SPEC, ctx, compute)
