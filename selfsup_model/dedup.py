@@ -3,7 +3,9 @@
 Order of work: texts are normalised (`minhash.normalize_text`); identical
 normalised texts are exact duplicates; one MinHash signature per distinct text
 feeds an LSH index at `cfg.threshold`; every LSH candidate pair is verified
-with its exact shingle Jaccard before it counts; verified pairs and exact
+with its exact shingle Jaccard before it counts (candidates whose signatures
+put the threshold 6 standard errors away are skipped as certain misses - see
+`minhash.plausible_pairs`); verified pairs and exact
 groups are joined into clusters (connected components, so a chain A~B~C is one
 cluster).
 
@@ -30,6 +32,7 @@ from selfsup_model.minhash import (
     lsh_params,
     minhash_signatures,
     normalize_text,
+    verify_candidates,
     verify_pairs,
 )
 
@@ -47,11 +50,14 @@ class DedupResult:
       exact; below the threshold is possible for the far end of a chain);
       kept -> the largest of those over its cluster (0.0 for a singleton).
     signatures: (n_docs, num_perm) uint32 MinHash signatures, input order.
+    pairs: the verified near-duplicate pairs (left_id, right_id, jaccard) between
+      distinct normalised texts, each text named by the first document holding it.
     """
 
     clusters: pd.DataFrame
     signatures: np.ndarray
     counts: dict[str, int] = field(default_factory=dict)
+    pairs: pd.DataFrame = field(default_factory=pd.DataFrame)
 
 
 def components(n: int, pairs: np.ndarray) -> np.ndarray:
@@ -104,32 +110,57 @@ def find_duplicates(
     text_code, distinct = pd.factorize(pd.Series(norm, dtype=object), sort=False)  # (n,), (u,)
     text_code = text_code.astype(np.int64)
     sig_u = minhash_signatures(
-        list(distinct), num_perm=cfg.num_perm, seed=cfg.seed, kind=cfg.shingle,
-        size=cfg.shingle_size, batch_size=cfg.batch_size, progress=progress,
+        list(distinct),
+        num_perm=cfg.num_perm,
+        seed=cfg.seed,
+        kind=cfg.shingle,
+        size=cfg.shingle_size,
+        batch_size=cfg.batch_size,
+        progress=progress,
     )  # (u, num_perm)
     cand = candidate_pairs(sig_u, cfg.threshold)  # (c, 2) over distinct texts
-    jac = verify_pairs(distinct, cand, cfg.shingle, cfg.shingle_size)
-    verified = cand[jac >= cfg.threshold]
+    verified, jac, skipped = verify_candidates(
+        distinct, sig_u, cand, cfg.threshold, cfg.shingle, cfg.shingle_size
+    )
     cluster = first_seen_ids(components(len(distinct), verified)[text_code])  # (n,)
-    lengths = np.array([len(t) for t in norm], dtype=np.int64)
-    rep = _representatives(cluster, lengths)  # (n,) index of the kept document
-    frame, kinds = _cluster_frame(ids, cluster, rep, text_code, distinct, cfg)
-    bands, rows = lsh_params(cfg.threshold, cfg.num_perm)
-    kept = int(frame["is_kept"].sum())
+    rep = _representatives(cluster, np.array([len(t) for t in norm], dtype=np.int64))
+    frame = _cluster_frame(ids, cluster, rep, text_code, distinct, cfg)
     counts = {
         "documents": n,
         "distinct_texts": len(distinct),
-        "clusters": int(cluster.max()) + 1,
-        "kept": kept,
-        "duplicates_removed": n - kept,
-        "exact_duplicates": int((kinds == "exact").sum()),
-        "near_duplicates": int((kinds == "near").sum()),
+        **_fate_counts(frame),
         "candidate_pairs": len(cand),
+        "skipped_by_signature": skipped,
         "verified_pairs": len(verified),
-        "lsh_bands": bands,
-        "lsh_rows": rows,
     }
-    return DedupResult(clusters=frame, signatures=sig_u[text_code], counts=counts)
+    counts["lsh_bands"], counts["lsh_rows"] = lsh_params(cfg.threshold, cfg.num_perm)
+    pairs = _pairs_frame(ids, text_code, verified, jac)
+    return DedupResult(frame, sig_u[text_code], counts, pairs)
+
+
+def _fate_counts(frame: pd.DataFrame) -> dict[str, int]:
+    kept = int(frame["is_kept"].sum())
+    return {
+        "clusters": int(frame["cluster_id"].max()) + 1,
+        "kept": kept,
+        "duplicates_removed": len(frame) - kept,
+        "exact_duplicates": int((frame["kind"] == "exact").sum()),
+        "near_duplicates": int((frame["kind"] == "near").sum()),
+    }
+
+
+def _pairs_frame(
+    ids: Sequence[str], text_code: np.ndarray, verified: np.ndarray, jac: np.ndarray
+) -> pd.DataFrame:
+    """Verified pairs of distinct texts, each named by its first document."""
+    first_doc = np.asarray(list(ids), dtype=object)[np.unique(text_code, return_index=True)[1]]
+    return pd.DataFrame(
+        {
+            "left_id": pd.array(first_doc[verified[:, 0]], dtype="str"),
+            "right_id": pd.array(first_doc[verified[:, 1]], dtype="str"),
+            "jaccard": jac,
+        }
+    )
 
 
 def _cluster_frame(
@@ -139,8 +170,8 @@ def _cluster_frame(
     text_code: np.ndarray,
     distinct: pd.Index,
     cfg: DedupConfig,
-) -> tuple[pd.DataFrame, np.ndarray]:
-    """The clusters table and the (n,) kind array."""
+) -> pd.DataFrame:
+    """The clusters table (CLUSTER_COLUMNS), input order."""
     n = len(cluster)
     is_kept = rep == np.arange(n)
     exact = ~is_kept & (text_code == text_code[rep])
@@ -155,12 +186,14 @@ def _cluster_frame(
     np.maximum.at(best, rep[~is_kept], max_jac[~is_kept])
     max_jac[is_kept] = best[is_kept]
     id_array = np.asarray(list(ids), dtype=object)
-    frame = pd.DataFrame({
-        "id": pd.array(id_array, dtype="str"),
-        "cluster_id": cluster.astype(np.int64),
-        "is_kept": is_kept,
-        "kept_id": pd.array(id_array[rep], dtype="str"),
-        "kind": pd.array(kinds, dtype="str"),
-        "max_jaccard": max_jac.astype(np.float64),
-    })
-    return frame, kinds
+    frame = pd.DataFrame(
+        {
+            "id": pd.array(id_array, dtype="str"),
+            "cluster_id": cluster.astype(np.int64),
+            "is_kept": is_kept,
+            "kept_id": pd.array(id_array[rep], dtype="str"),
+            "kind": pd.array(kinds, dtype="str"),
+            "max_jaccard": max_jac.astype(np.float64),
+        }
+    )
+    return frame

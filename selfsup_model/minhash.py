@@ -28,6 +28,9 @@ _BASE = np.uint64(0x100000001B3)  # FNV-64 prime: an odd multiplier for polynomi
 _PAD = np.uint64(0xFFFF_FFFF)  # no code point is this large: marks "past the end of the text"
 _SPACE = 32
 _CHUNK_ELEMENTS = 1 << 21  # (num_perm, chunk) uint32 work buffer of ~8 MiB: stays cache-friendly
+# Shingling costs ~80 bytes of transient arrays per character: cap characters per call.
+_CHAR_BUDGET = 1 << 18
+_GATHER_BUDGET = 1 << 20  # shingles gathered per Jaccard pass (~8 MiB of uint64 keys)
 
 
 def normalize_text(text: str) -> str:
@@ -43,6 +46,12 @@ def _fmix32(x: np.ndarray) -> np.ndarray:
     return (x & np.uint64(0xFFFF_FFFF)).astype(np.uint32)
 
 
+def _sorted_unique(x: np.ndarray) -> np.ndarray:
+    """np.unique by sort + neighbour compare (numpy 2's hash-based unique is far slower here)."""
+    x = np.sort(x)
+    return x[np.r_[True, x[1:] != x[:-1]]] if len(x) else x
+
+
 def _ragged_arange(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """Concatenation of arange(s, s + l) for every (s, l): (sum(lengths),) int64."""
     lengths = np.asarray(lengths, dtype=np.int64)
@@ -51,10 +60,24 @@ def _ragged_arange(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.arange(int(ends[-1]) if len(ends) else 0, dtype=np.int64) + shift
 
 
+def _budget_chunks(weights: np.ndarray, budget: int) -> list[tuple[int, int]]:
+    """[lo, hi) ranges of consecutive items whose weights sum to about `budget` (>= 1 item)."""
+    cum = np.cumsum(weights)
+    bounds, lo = [], 0
+    while lo < len(weights):
+        base = cum[lo - 1] if lo else 0
+        hi = max(int(np.searchsorted(cum, base + budget, side="right")), lo + 1)
+        bounds.append((lo, hi))
+        lo = hi
+    return bounds
+
+
 def _word_tokens(texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
     """One 64-bit hash per word of normalised texts: (words,) uint64 and (n,) word counts."""
     counts = np.array([t.count(" ") + 1 if t else 0 for t in texts], dtype=np.int64)
-    cp = np.frombuffer(" ".join(texts).encode("utf-32-le", "surrogatepass"), dtype=np.uint32).astype(np.uint64)
+    cp = np.frombuffer(
+        " ".join(texts).encode("utf-32-le", "surrogatepass"), dtype=np.uint32
+    ).astype(np.uint64)
     is_char = cp != _SPACE
     # A word starts at a non-space whose left neighbour is a space (or the string start).
     starts = np.flatnonzero(is_char & ~np.r_[False, is_char[:-1]])
@@ -62,7 +85,9 @@ def _word_tokens(texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
     word_of = np.searchsorted(starts, pos, side="right") - 1
     rel = pos - starts[word_of]  # offset of each character inside its word
     powers = np.cumprod(np.full(int(rel.max(initial=0)) + 1, _BASE, dtype=np.uint64))
-    hashes = np.add.reduceat(cp[pos] * powers[rel], np.searchsorted(pos, starts)) if len(pos) else pos
+    hashes = (
+        np.add.reduceat(cp[pos] * powers[rel], np.searchsorted(pos, starts)) if len(pos) else pos
+    )
     return hashes.astype(np.uint64) ^ np.uint64(0x9E3779B97F4A7C15), counts
 
 
@@ -108,7 +133,7 @@ def shingle_sets(
     """Sorted unique shingle ids per normalised text: values (U,) uint32, offsets (n + 1,)."""
     ids, offsets = shingle_ids(texts, kind, size)
     doc = np.repeat(np.arange(len(texts), dtype=np.uint64), np.diff(offsets))
-    key = np.unique((doc << np.uint64(32)) | ids)  # (U,) sorted by (document, id)
+    key = _sorted_unique((doc << np.uint64(32)) | ids)  # (U,) sorted by (document, id)
     doc_of = (key >> np.uint64(32)).astype(np.int64)
     values = (key & np.uint64(0xFFFF_FFFF)).astype(np.uint32)
     return values, np.searchsorted(doc_of, np.arange(len(texts) + 1)).astype(np.int64)
@@ -122,7 +147,9 @@ def permutations(num_perm: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     return a, b
 
 
-def _signatures_of_ids(ids: np.ndarray, offsets: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def _signatures_of_ids(
+    ids: np.ndarray, offsets: np.ndarray, a: np.ndarray, b: np.ndarray
+) -> np.ndarray:
     """Min over each document's shingles of every permutation: (num_perm, n) uint32."""
     num_perm, n = len(a), len(offsets) - 1
     out = np.full((num_perm, n), np.iinfo(np.uint32).max, dtype=np.uint32)
@@ -156,25 +183,38 @@ def minhash_signatures(
     sig = np.empty((len(texts), num_perm), dtype=np.uint32)
     for lo in range(0, len(texts), batch_size):
         batch = [normalize_text(t) for t in texts[lo : lo + batch_size]]
-        ids, offsets = shingle_ids(batch, kind, size)
-        sig[lo : lo + len(batch)] = _signatures_of_ids(ids, offsets, a, b).T
+        # A batch of long documents is cut further so shingling transients stay bounded.
+        for start, stop in _budget_chunks(np.array([len(t) for t in batch]), _CHAR_BUDGET):
+            ids, offsets = shingle_ids(batch[start:stop], kind, size)
+            sig[lo + start : lo + stop] = _signatures_of_ids(ids, offsets, a, b).T
         if progress is not None:
             progress(lo + len(batch), len(texts))
     return sig
 
 
+# Every candidate is verified exactly, so a false positive costs one Jaccard
+# computation while a false negative silently loses a duplicate (or lets a
+# near-copy leak across splits): misses are weighted 19 to 1.
+MISS_WEIGHT = 0.95
+
+
 @lru_cache(maxsize=64)
-def lsh_params(threshold: float, num_perm: int) -> tuple[int, int]:
-    """(bands, rows) minimising equally weighted false-positive + false-negative areas."""
-    return _optimal_param(threshold, num_perm, 0.5, 0.5)
+def lsh_params(
+    threshold: float, num_perm: int, miss_weight: float = MISS_WEIGHT
+) -> tuple[int, int]:
+    """(bands, rows) minimising the weighted false-positive + false-negative areas (datasketch)."""
+    return _optimal_param(threshold, num_perm, 1.0 - miss_weight, miss_weight)
 
 
 def _band_keys(signatures: np.ndarray, bands: int, rows: int) -> np.ndarray:
-    """One 64-bit key per (band, document): (bands, n) uint64. Key collisions only add candidates."""
-    sig = signatures[:, : bands * rows].astype(np.uint64).reshape(len(signatures), bands, rows)
+    """One 64-bit key per (band, document): (bands, n) uint64.
+
+    Key collisions only add candidates, and every candidate is verified."""
+    sig = signatures[:, : bands * rows].reshape(len(signatures), bands, rows)  # a view
     keys = np.zeros((bands, len(signatures)), dtype=np.uint64)
     for r in range(rows):
-        keys = (keys ^ sig[:, :, r].T) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(r + 1)
+        row = sig[:, :, r].T.astype(np.uint64)  # (bands, n): one row at a time keeps memory small
+        keys = (keys ^ row) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(r + 1)
     return keys ^ (keys >> np.uint64(29))
 
 
@@ -194,17 +234,23 @@ def _pairs_in_runs(keys: np.ndarray) -> np.ndarray:
     return np.concatenate(out) if out else np.empty((0, 2), dtype=np.int64)
 
 
-def candidate_pairs(signatures: np.ndarray, threshold: float) -> np.ndarray:
+def candidate_pairs(
+    signatures: np.ndarray, threshold: float, bands_rows: tuple[int, int] | None = None
+) -> np.ndarray:
     """LSH candidate pairs within one set: (m, 2) int64, i < j, sorted, unique."""
     n = len(signatures)
-    bands, rows = lsh_params(threshold, signatures.shape[1])
+    bands, rows = bands_rows or lsh_params(threshold, signatures.shape[1])
     found = [_pairs_in_runs(keys) for keys in _band_keys(signatures, bands, rows)]
     pairs = np.concatenate(found) if found else np.empty((0, 2), dtype=np.int64)
-    code = np.unique(np.minimum(pairs[:, 0], pairs[:, 1]) * n + np.maximum(pairs[:, 0], pairs[:, 1]))
+    code = _sorted_unique(
+        np.minimum(pairs[:, 0], pairs[:, 1]) * n + np.maximum(pairs[:, 0], pairs[:, 1])
+    )
     return np.stack([code // n, code % n], axis=1) if n else np.empty((0, 2), dtype=np.int64)
 
 
-def cross_candidate_pairs(index_sig: np.ndarray, query_sig: np.ndarray, threshold: float) -> np.ndarray:
+def cross_candidate_pairs(
+    index_sig: np.ndarray, query_sig: np.ndarray, threshold: float
+) -> np.ndarray:
     """LSH candidates (query_row, index_row) between two sets: (m, 2) int64, sorted, unique."""
     bands, rows = lsh_params(threshold, index_sig.shape[1])
     n_index = max(len(index_sig), 1)
@@ -217,7 +263,7 @@ def cross_candidate_pairs(index_sig: np.ndarray, query_sig: np.ndarray, threshol
         hi = np.searchsorted(ik[order], qk, side="right")
         q = np.repeat(np.arange(len(qk)), hi - lo)
         codes.append(q * n_index + order[_ragged_arange(lo, hi - lo)])
-    code = np.unique(np.concatenate(codes)) if codes else np.empty(0, dtype=np.int64)
+    code = _sorted_unique(np.concatenate(codes)) if codes else np.empty(0, dtype=np.int64)
     return np.stack([code // n_index, code % n_index], axis=1)
 
 
@@ -227,9 +273,8 @@ def pair_jaccard(
     """Exact Jaccard of shingle sets (from `shingle_sets`) for each (left, right): (m,) float64."""
     sizes = np.diff(offsets)
     out = np.empty(len(left), dtype=np.float64)
-    step = 4096  # pairs per pass: bounds the gathered copy of their shingles
-    for lo in range(0, len(left), step):
-        lft, rgt = left[lo : lo + step], right[lo : lo + step]
+    for lo, hi in _budget_chunks(sizes[left] + sizes[right], _GATHER_BUDGET):
+        lft, rgt = left[lo:hi], right[lo:hi]
         both = np.r_[lft, rgt]
         pair = np.r_[np.arange(len(lft)), np.arange(len(rgt))].astype(np.uint64)
         vals = values[_ragged_arange(offsets[both], sizes[both])]
@@ -237,19 +282,70 @@ def pair_jaccard(
         # Each set is unique, so an equal neighbour is one shingle shared by the pair.
         shared = key[1:][key[1:] == key[:-1]] >> np.uint64(32)
         inter = np.bincount(shared.astype(np.int64), minlength=len(lft))
-        out[lo : lo + len(lft)] = inter / (sizes[lft] + sizes[rgt] - inter)
+        out[lo:hi] = inter / (sizes[lft] + sizes[rgt] - inter)
     return out
 
 
-def verify_pairs(texts: Sequence[str], pairs: np.ndarray, kind: str = "char", size: int = 5) -> np.ndarray:
+def verify_pairs(
+    texts: Sequence[str], pairs: np.ndarray, kind: str = "char", size: int = 5
+) -> np.ndarray:
     """Exact Jaccard of each (i, j) row of `pairs` over raw `texts`: (m,) float64.
 
-    Only the documents named by a pair are shingled, so memory follows the
+    Only the documents named by a pair are shingled, a budget of characters at
+    a time, and only their compact uint32 sets are kept: memory follows the
     candidates, not the corpus.
     """
     if not len(pairs):
         return np.empty(0, dtype=np.float64)
-    involved = np.unique(pairs)  # (k,) sorted document indices
-    values, offsets = shingle_sets([normalize_text(texts[i]) for i in involved], kind, size)
+    involved = _sorted_unique(pairs.ravel())  # (k,) sorted document indices
+    raw_lengths = np.array([len(texts[i]) for i in involved])  # bound the normalised ones
+    parts, sizes = [], []
+    for lo, hi in _budget_chunks(raw_lengths, _CHAR_BUDGET):
+        chunk = [normalize_text(texts[i]) for i in involved[lo:hi]]
+        values, offsets = shingle_sets(chunk, kind, size)
+        parts.append(values)
+        sizes.append(np.diff(offsets))
+    values = np.concatenate(parts)  # (U,) every involved document's set, back to back
+    del parts
+    offsets = np.r_[0, np.cumsum(np.concatenate(sizes))].astype(np.int64)
     local = np.searchsorted(involved, pairs)  # (m, 2) rows into the shingled subset
     return pair_jaccard(values, offsets, local[:, 0], local[:, 1])
+
+
+_SAFETY_SIGMAS = 6.0
+_AGREEMENT_CHUNK = 1 << 13  # pairs per pass: the gathered (chunk, num_perm) signatures stay ~4 MiB
+
+
+def plausible_pairs(signatures: np.ndarray, pairs: np.ndarray, threshold: float) -> np.ndarray:
+    """Mask (m,): pairs whose signature agreement leaves Jaccard >= threshold plausible.
+
+    Agreement estimates Jaccard without bias, with standard error
+    sqrt(J(1-J)/num_perm); a pair truly at the threshold lands 6 standard
+    errors below it with probability < 1e-8, so skipping those pairs only skips
+    exact checks that would fail - at a 0.5 threshold most LSH candidates are such.
+    """
+    num_perm = signatures.shape[1]
+    floor = threshold - _SAFETY_SIGMAS * np.sqrt(threshold * (1.0 - threshold) / num_perm)
+    out = np.empty(len(pairs), dtype=bool)
+    for lo in range(0, len(pairs), _AGREEMENT_CHUNK):
+        part = pairs[lo : lo + _AGREEMENT_CHUNK]
+        same = (signatures[part[:, 0]] == signatures[part[:, 1]]).sum(axis=1)  # (chunk,)
+        out[lo : lo + len(part)] = same >= floor * num_perm
+    return out
+
+
+def verify_candidates(
+    texts: Sequence[str],
+    signatures: np.ndarray,
+    pairs: np.ndarray,
+    threshold: float,
+    kind: str = "char",
+    size: int = 5,
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """Candidates whose exact Jaccard is >= threshold: pairs (k, 2), jaccard (k,), and the
+    number skipped because their signatures made that implausible (`plausible_pairs`)."""
+    plausible = plausible_pairs(signatures, pairs, threshold)
+    checked = pairs[plausible]
+    jac = verify_pairs(texts, checked, kind, size)
+    ok = jac >= threshold
+    return checked[ok], jac[ok], int((~plausible).sum())

@@ -73,11 +73,13 @@ def test_shingle_ids_are_a_fixed_function_of_the_text():
     assert ids.tolist()[:4] == [reference_char_id(s) for s in ("xx he", "x hel", " hell", "hello")]
 
 
-def test_word_set_jaccard_is_exact():
+@pytest.mark.parametrize("budget", [1, 1 << 22])  # one pair / one document per pass, or all
+def test_word_set_jaccard_is_exact(budget, monkeypatch):
+    monkeypatch.setattr(minhash, "_GATHER_BUDGET", budget)
     texts = [words(0, 20), words(2, 22), words(100, 105), "w0 w0 w1"]
-    values, offsets = minhash.shingle_sets(texts, "word", 1)
-    got = minhash.pair_jaccard(values, offsets, np.array([0, 0, 3]), np.array([1, 2, 0]))
-    assert got.tolist() == [18 / 22, 0.0, 2 / 20]
+    pairs = np.array([[0, 1], [0, 2], [3, 0], [1, 1]])
+    got = minhash.verify_pairs(texts, pairs, "word", 1)
+    assert got.tolist() == [18 / 22, 0.0, 2 / 20, 1.0]
 
 
 def test_signatures_match_brute_force_across_chunks_and_batches(monkeypatch):
@@ -99,9 +101,22 @@ def test_signature_agreement_estimates_jaccard():
     assert abs((sig[0] == sig[1]).mean() - 133 / 267) < 0.07  # ~3 standard errors
 
 
-def test_lsh_params_follow_datasketch():
-    assert minhash.lsh_params(0.8, 128) == (9, 13)
-    assert minhash.lsh_params(0.5, 128) == (25, 5)
+def test_lsh_params_weight_misses_over_false_candidates():
+    assert minhash.lsh_params(0.8, 128, miss_weight=0.5) == (9, 13)  # datasketch's default
+    bands, rows = minhash.lsh_params(0.8, 128)
+    assert bands * rows <= 128
+    assert (
+        1 - (1 - 0.8**rows) ** bands > 0.9
+    )  # a pair right at the threshold is usually a candidate
+
+
+def test_signature_prefilter_only_drops_hopeless_pairs():
+    texts = [words(0, 100), words(5, 105), words(50, 150), words(500, 600)]  # J: 0.905, 0.333, 0
+    sig = minhash.minhash_signatures(texts, num_perm=128, kind="word", size=1)
+    pairs = np.array([[0, 1], [0, 2], [0, 3]])
+    assert minhash.plausible_pairs(sig, pairs, 0.8).tolist() == [True, False, False]
+    kept, jac, skipped = minhash.verify_candidates(texts, sig, pairs, 0.8, "word", 1)
+    assert kept.tolist() == [[0, 1]] and jac.tolist() == [95 / 105] and skipped == 2
 
 
 # --- find_duplicates ------------------------------------------------------------------------
@@ -109,7 +124,14 @@ def test_lsh_params_follow_datasketch():
 
 def test_exact_duplicates_after_normalisation_keep_the_first():
     texts = ["Hello   World foo bar", "unrelated words here", "hello world FOO\nbar"]
-    res = find_duplicates(ids_for(texts), texts, DedupConfig(num_perm=16))
+    calls = []
+    res = find_duplicates(
+        ids_for(texts),
+        texts,
+        DedupConfig(num_perm=16, batch_size=1),
+        progress=lambda *a: calls.append(a),
+    )
+    assert calls == [(1, 2), (2, 2)]  # one call per batch of distinct texts
     c = res.clusters
     assert c["is_kept"].tolist() == [True, True, False]
     assert c["kept_id"].tolist() == ["d0", "d1", "d0"]
@@ -210,4 +232,6 @@ def test_every_document_lands_in_exactly_one_cluster(texts, shingle):
     assert (kept.loc[dropped["kept_id"], "cluster_id"].to_numpy() == dropped["cluster_id"]).all()
     exact = dropped["kind"] == "exact"
     norm = pd.Series([minhash.normalize_text(t) for t in texts], index=c["id"])
-    assert (norm[dropped["id"][exact]].to_numpy() == norm[dropped["kept_id"][exact]].to_numpy()).all()
+    assert (
+        norm[dropped["id"][exact]].to_numpy() == norm[dropped["kept_id"][exact]].to_numpy()
+    ).all()

@@ -1,0 +1,332 @@
+"""Leak-safe train/val/test assignment of the kept documents, and its audit.
+
+A split unit is a connected component of: documents sharing a dedup cluster,
+documents whose exact shingle Jaccard is >= `relatedness_threshold` (LSH
+candidates on the dedup signatures, each verified), and - when `use_groups` -
+documents sharing a non-null group. Whole units go to one split.
+
+Allocation, stratified by label: each split's target is its fraction of every
+label's doc count (unlabelled docs count as one more label). Units are
+shuffled with the seed, then ordered largest first. First, for each label that
+is the majority label (ties: alphabetically first) of at least three units,
+its three smallest units are dealt one to each split, so the label appears
+everywhere; then every other unit goes to the split whose per-label deficits
+it fills most - so a big mixed unit's minority labels are accounted for too.
+A label still absent from a split gets a warning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from selfsup_model.config import DedupConfig, SplitConfig
+from selfsup_model.dedup import components, first_seen_ids
+from selfsup_model.errors import UserError
+from selfsup_model.minhash import (
+    Progress,
+    candidate_pairs,
+    cross_candidate_pairs,
+    verify_candidates,
+)
+
+SPLITS = ("train", "val", "test")
+ASSIGNMENT_COLUMNS = ("id", "split", "cluster_id", "unit_id", "group")
+_MAX_EXAMPLES = 10
+
+
+@dataclass(frozen=True, eq=False)
+class SplitResult:
+    """assignments: one row per input document, input order, ASSIGNMENT_COLUMNS."""
+
+    assignments: pd.DataFrame
+    counts: dict[str, Any]
+    warnings: list[str] = field(default_factory=list)
+    audit: dict[str, Any] = field(default_factory=dict)
+
+
+def _codes(values: Sequence[Any]) -> np.ndarray:
+    """Integer code per value, -1 for None/NaN: (n,) int64."""
+    return pd.factorize(pd.Series(list(values), dtype=object), sort=False)[0].astype(np.int64)
+
+
+def _same_code_pairs(codes: np.ndarray) -> np.ndarray:
+    """Star edges joining every document to the first one with its code (codes >= 0): (m, 2)."""
+    idx = np.flatnonzero(codes >= 0)
+    _, first = np.unique(codes[idx], return_index=True)
+    head = np.full(codes.max(initial=-1) + 1, -1, dtype=np.int64)
+    head[codes[idx[first]]] = idx[first]
+    return np.stack([idx, head[codes[idx]]], axis=1)
+
+
+def build_units(
+    texts: Sequence[str],
+    groups: Sequence[str | None],
+    signatures: np.ndarray,
+    cluster_ids: Sequence[int],
+    cfg: SplitConfig,
+    dedup_cfg: DedupConfig,
+) -> tuple[np.ndarray, dict[str, int]]:
+    """Split unit per document, numbered in first-seen order (n,) int64, and link counts."""
+    threshold = cfg.relatedness_threshold
+    cand = candidate_pairs(signatures, threshold)
+    kind, size = dedup_cfg.shingle, dedup_cfg.shingle_size
+    related, _, skipped = verify_candidates(texts, signatures, cand, threshold, kind, size)
+    edges = [related, _same_code_pairs(np.asarray(cluster_ids, dtype=np.int64))]
+    if cfg.use_groups:
+        edges.append(_same_code_pairs(_codes(groups)))
+    unit = first_seen_ids(components(len(texts), np.concatenate(edges)))
+    links = {
+        "candidate_pairs": len(cand),
+        "skipped_by_signature": skipped,
+        "related_pairs": len(related),
+    }
+    return unit, links
+
+
+def _label_counts(
+    unit: np.ndarray, labels: Sequence[str | None], stratify: bool
+) -> tuple[np.ndarray, list[str | None]]:
+    """Docs per (unit, label): (units, L) int64 and the L column names.
+
+    Labels are sorted; unlabelled documents (all of them when not stratifying)
+    share a last column named None."""
+    raw = [None if (not stratify or pd.isna(lab)) else str(lab) for lab in labels]
+    codes, names = pd.factorize(pd.Series(raw, dtype=object), sort=True)  # None -> -1
+    codes = np.where(codes < 0, len(names), codes)
+    counts = np.zeros((unit.max() + 1, len(names) + 1), dtype=np.int64)
+    np.add.at(counts, (unit, codes), 1)
+    return counts, [str(name) for name in names] + [None]
+
+
+def _deal_for_coverage(
+    order: np.ndarray, counts: np.ndarray, target: np.ndarray, split_of_unit: np.ndarray
+) -> None:
+    """Per label with >= 3 units whose majority it is: its 3 smallest, one to each split."""
+    labelled = counts[:, :-1]  # the last column holds unlabelled docs
+    majority = np.full(len(counts), counts.shape[1] - 1, dtype=np.int64)  # (units,)
+    if labelled.shape[1]:
+        has_label = labelled.sum(axis=1) > 0
+        majority[has_label] = labelled[has_label].argmax(axis=1)  # ties: alphabetical first
+    for col in range(counts.shape[1]):
+        mine = order[majority[order] == col][::-1][: len(SPLITS)]  # smallest first
+        if len(mine) == len(SPLITS):
+            split_of_unit[mine] = np.argsort(target[:, col], kind="stable")  # smallest target first
+
+
+def _allocate(counts: np.ndarray, cfg: SplitConfig) -> np.ndarray:
+    """Split index (0 train, 1 val, 2 test) per unit: (units,) int64.
+
+    Units go largest first (seeded shuffle among equal sizes) to the split
+    whose per-label deficits they fill most; ties go to the split furthest
+    below its target overall, then train, val, test.
+    """
+    fractions = np.array([cfg.train, cfg.val, cfg.test], dtype=np.float64)
+    target = fractions[:, None] * counts.sum(axis=0)[None, :]  # (3, L) docs per split and label
+    sizes = counts.sum(axis=1)
+    shuffled = np.random.default_rng(cfg.seed).permutation(len(sizes))
+    order = shuffled[np.argsort(-sizes[shuffled], kind="stable")]
+    split_of_unit = np.full(len(sizes), -1, dtype=np.int64)
+    _deal_for_coverage(order, counts, target, split_of_unit)
+    filled = np.zeros_like(target)
+    for u in np.flatnonzero(split_of_unit >= 0):
+        filled[split_of_unit[u]] += counts[u]
+    for u in order[split_of_unit[order] < 0]:
+        deficit = target - filled  # (3, L)
+        gain = np.minimum(counts[u], np.maximum(deficit, 0.0)).sum(axis=1)
+        best = np.flatnonzero(gain >= gain.max() - 1e-9)
+        split = best[np.argmax(deficit[best].sum(axis=1))]
+        split_of_unit[u] = split
+        filled[split] += counts[u]
+    return split_of_unit
+
+
+def _missing_label_warnings(
+    counts: np.ndarray, names: list[str | None], split_of_unit: np.ndarray
+) -> list[str]:
+    """One warning per label absent from some split, with how many units hold it."""
+    warnings = []
+    for col, name in enumerate(names):
+        holders = np.flatnonzero(counts[:, col] > 0)
+        missing = [s for i, s in enumerate(SPLITS) if not (split_of_unit[holders] == i).any()]
+        if name is not None and len(holders) and missing:
+            warnings.append(
+                f"label {name!r} is missing from {', '.join(missing)}: its "
+                f"{int(counts[holders, col].sum())} docs sit in only {len(holders)} split unit(s)"
+            )
+    return warnings
+
+
+def _check_inputs(ids, texts, labels, groups, signatures, cluster_ids, dedup_cfg) -> int:
+    n = len(ids)
+    lengths = {
+        "texts": len(texts),
+        "labels": len(labels),
+        "groups": len(groups),
+        "signatures": len(signatures),
+        "cluster_ids": len(cluster_ids),
+    }
+    bad = {k: v for k, v in lengths.items() if v != n}
+    if bad:
+        raise UserError(f"split inputs must align with {n} ids; got {bad}")
+    if signatures.ndim != 2 or signatures.shape[1] != dedup_cfg.num_perm:
+        raise UserError(
+            f"signatures have shape {signatures.shape}, expected "
+            f"(n, {dedup_cfg.num_perm}) from dedup; "
+            "rerun the dedup stage with the same dedup config"
+        )
+    if pd.Index(list(ids)).has_duplicates:
+        raise UserError("split: document ids must be unique")
+    return n
+
+
+def assign_splits(
+    ids: Sequence[str],
+    texts: Sequence[str],
+    labels: Sequence[str | None],
+    groups: Sequence[str | None],
+    signatures: np.ndarray,
+    cluster_ids: Sequence[int],
+    cfg: SplitConfig,
+    dedup_cfg: DedupConfig,
+    progress: Progress | None = None,
+) -> SplitResult:
+    """Assign every (kept) document to train/val/test by whole units; audit the result."""
+    n = _check_inputs(ids, texts, labels, groups, signatures, cluster_ids, dedup_cfg)
+    unit, links = build_units(texts, groups, signatures, cluster_ids, cfg, dedup_cfg)
+    unit_sizes = np.bincount(unit)  # (units,)
+    if len(unit_sizes) < len(SPLITS):
+        raise UserError(
+            f"split: the {n} documents form only {len(unit_sizes)} split unit(s) (related "
+            "documents and shared groups stay together), but train/val/test needs at least 3; "
+            "add documents, set split.use_groups=false or raise split.relatedness_threshold"
+        )
+    if progress is not None:
+        progress(1, 3)
+    counts, names = _label_counts(unit, labels, cfg.stratify)
+    split_of_unit = _allocate(counts, cfg)
+    warnings = _missing_label_warnings(counts, names, split_of_unit)
+    split = np.array(SPLITS, dtype=object)[split_of_unit[unit]]  # (n,)
+    for name in SPLITS:
+        if not (split == name).any():
+            raise UserError(
+                f"split {name!r} ended up empty ({len(unit_sizes)} units for fractions "
+                f"{cfg.train:g}/{cfg.val:g}/{cfg.test:g}); add documents or change the fractions"
+            )
+    if progress is not None:
+        progress(2, 3)
+    audit = leakage_audit(ids, texts, split, groups, signatures, cfg, dedup_cfg)
+    if audit["message"]:
+        warnings.append(audit["message"])
+    if progress is not None:
+        progress(3, 3)
+    frame = pd.DataFrame(
+        {
+            "id": pd.array(list(ids), dtype="str"),
+            "split": pd.array(split, dtype="str"),
+            "cluster_id": np.asarray(cluster_ids, dtype=np.int64),
+            "unit_id": unit,
+            "group": pd.array(pd.Series(list(groups), dtype=object), dtype="str"),
+        }
+    )
+    summary = _counts(frame, labels, split_of_unit, links, audit)
+    return SplitResult(assignments=frame, counts=summary, warnings=warnings, audit=audit)
+
+
+def _counts(frame, labels, split_of_unit, links, audit) -> dict[str, Any]:
+    by_split = frame.assign(label=pd.Series(list(labels), dtype=object))
+    label_counts = {
+        name: {str(k): int(v) for k, v in sorted(part["label"].dropna().value_counts().items())}
+        for name, part in by_split.groupby("split", sort=False)
+    }
+    return {
+        "documents": len(frame),
+        "units": len(split_of_unit),
+        "largest_unit": int(np.bincount(frame["unit_id"].to_numpy()).max()),
+        "docs_per_split": {s: int((frame["split"] == s).sum()) for s in SPLITS},
+        "units_per_split": {s: int((split_of_unit == i).sum()) for i, s in enumerate(SPLITS)},
+        "labels_per_split": {s: label_counts.get(s, {}) for s in SPLITS},
+        **links,
+        "leakage_pairs": audit["related_pairs"],
+        "groups_across_splits": audit["groups_across_splits"],
+    }
+
+
+def leakage_audit(
+    ids: Sequence[str],
+    texts: Sequence[str],
+    splits: Sequence[str],
+    groups: Sequence[str | None],
+    signatures: np.ndarray,
+    cfg: SplitConfig,
+    dedup_cfg: DedupConfig,
+) -> dict[str, Any]:
+    """Near-duplicates of train documents in val/test, and groups split across sides.
+
+    Train signatures are indexed by LSH at `relatedness_threshold`; every
+    val/test document queries it and each candidate is verified with its exact
+    Jaccard. With audit_action 'fail' any finding raises UserError; with 'warn'
+    the audit's `message` says what was found. Groups count only with use_groups.
+    """
+    split = np.asarray(list(splits), dtype=object)
+    train, query = np.flatnonzero(split == "train"), np.flatnonzero(split != "train")
+    cand = cross_candidate_pairs(signatures[train], signatures[query], cfg.relatedness_threshold)
+    pairs = np.stack([query[cand[:, 0]], train[cand[:, 1]]], axis=1)  # (m, 2) query, train
+    kind, size = dedup_cfg.shingle, dedup_cfg.shingle_size
+    leaks, jac, _ = verify_candidates(
+        texts, signatures, pairs, cfg.relatedness_threshold, kind, size
+    )
+    worst = np.lexsort((leaks[:, 1], leaks[:, 0], -jac))[:_MAX_EXAMPLES]
+    examples = [
+        {
+            "id": str(ids[q]),
+            "train_id": str(ids[t]),
+            "split": str(split[q]),
+            "jaccard": round(float(j), 6),
+        }
+        for (q, t), j in zip(leaks[worst], jac[worst], strict=True)
+    ]
+    spread = pd.DataFrame({"group": pd.Series(list(groups), dtype=object), "split": split}).dropna()
+    per_group = spread.groupby("group")["split"].unique()
+    crossing = per_group[per_group.map(len) > 1].sort_index()
+    group_examples = [
+        {"group": str(g), "splits": sorted(s)} for g, s in crossing[:_MAX_EXAMPLES].items()
+    ]
+    audit = {
+        "threshold": cfg.relatedness_threshold,
+        "candidate_pairs": len(cand),
+        "related_pairs": len(leaks),
+        "related_examples": examples,
+        "groups_checked": cfg.use_groups,
+        "groups_across_splits": len(crossing),
+        "group_examples": group_examples,
+    }
+    found = len(leaks) > 0 or (cfg.use_groups and len(crossing) > 0)
+    audit["passed"] = not found
+    audit["message"] = _audit_message(audit) if found else None
+    if found and cfg.audit_action == "fail":
+        raise UserError(audit["message"] + "; set split.audit_action=warn to continue anyway")
+    return audit
+
+
+def _audit_message(audit: dict[str, Any]) -> str:
+    parts = []
+    if audit["related_pairs"]:
+        shown = ", ".join(
+            f"{e['id']} ~ {e['train_id']} (J={e['jaccard']:.2f})"
+            for e in audit["related_examples"][:3]
+        )
+        parts.append(
+            f"{audit['related_pairs']} val/test-train pair(s) at Jaccard >= "
+            f"{audit['threshold']:g}, e.g. {shown}"
+        )
+    if audit["groups_checked"] and audit["groups_across_splits"]:
+        shown = ", ".join(
+            f"{e['group']} in {'+'.join(e['splits'])}" for e in audit["group_examples"][:3]
+        )
+        parts.append(f"{audit['groups_across_splits']} group(s) span several splits, e.g. {shown}")
+    return "leakage audit failed: " + "; ".join(parts)
