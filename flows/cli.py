@@ -7,6 +7,7 @@ import json
 import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from selfsup_model.config import PRESETS
 from selfsup_model.errors import UserError
@@ -65,14 +66,25 @@ def _cmd_run(args: argparse.Namespace) -> int:
                             force=args.force, tracking=not args.no_tracking)
     for r in results:
         print(f"  {r['stage']:<10} {r['status']:<8} {r['duration_s']:7.1f}s  {r['reason']}")
+    _print_comparison(Path(args.workdir) / "compare")
     print(f"Outputs: {args.workdir}/<stage>/   Summary: selfsup report --workdir {args.workdir} --json")
     print(f"MLflow:  selfsup ui --workdir {args.workdir}")
     return 0
 
 
-def _cmd_stages(args: argparse.Namespace) -> int:
-    from pathlib import Path
+def _print_comparison(compare_dir: Path) -> None:
+    """The comparison table and statements from report.md, and where the plots are."""
+    report = compare_dir / "report.md"
+    if not report.is_file():
+        return
+    body = report.read_text("utf-8").split("## Context")[0].replace("# selfsup comparison", "").strip()
+    print(f"\n{body}\n")
+    plots = sorted(p.name for p in compare_dir.glob("*.png"))
+    if plots:
+        print(f"Plots:   {compare_dir}/{{{','.join(plots)}}}")
 
+
+def _cmd_stages(args: argparse.Namespace) -> int:
     from flows.pipeline import resolve_config
     from tasks.registry import PIPELINE
     from tasks.stage import RunContext, check_stage
@@ -104,7 +116,6 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 def _cmd_ui(args: argparse.Namespace) -> int:
     import subprocess
-    from pathlib import Path
 
     from tasks.tracking import default_tracking_uri
 
