@@ -19,7 +19,7 @@ from selfsup_model.report import PREDICTION_COLUMNS
 from selfsup_model.tokenization import load_tokenizer
 from tasks.finetune import summary, train_at_fractions, write_skipped
 from tasks.io import read_parquet, write_parquet
-from tasks.labelled import ENCODED_INPUTS, LabelledData, load_labelled, prediction_rows
+from tasks.labelled import ENCODED_INPUTS, LabelledData, load_labelled, prediction_rows, result_key
 from tasks.stage import RunContext, StageOutput, StageResult, StageSpec, run_stage
 
 SPEC = StageSpec(
@@ -75,7 +75,7 @@ def compute(ctx: RunContext, out: Path, inputs: dict[str, Path]) -> StageOutput:
     files = [write_parquet(pd.DataFrame(rows, columns=list(PREDICTION_COLUMNS)), out / "predictions.parquet"),
              atomic_write_json(out / "results.json", {"classes": data.classes, "results": summaries}).name]
     return StageOutput(files, {**data.counts, "runs": len(summaries)},
-                       {f"{s['method']}@{s['fraction']:g}/val_macro_f1": s["val_macro_f1"] for s in summaries})
+                       {result_key(s["method"], s["fraction"], "val_macro_f1"): s["val_macro_f1"] for s in summaries})
 
 
 @task(name="baseline", cache_policy=NO_CACHE, persist_result=False)

@@ -16,6 +16,7 @@ from prefect.context import TaskRunContext
 from selfsup_model.artifacts import atomic_path, atomic_write_text, read_manifest
 from selfsup_model.report import recompute_results, write_report
 from tasks.io import read_parquet, write_parquet
+from tasks.labelled import result_key
 from tasks.stage import RunContext, StageOutput, StageResult, StageSpec, run_stage
 
 log = logging.getLogger("selfsup.compare")
@@ -73,7 +74,7 @@ def compute(ctx: RunContext, out: Path, inputs: dict[str, Path]) -> StageOutput:
     _publish(ctx, out, [f for f in files if f.endswith((".md", ".json", ".png"))])
     best = max(results, key=lambda r: (r["test_macro_f1"], r["method"]))
     counts = {"results": len(results), "methods": predictions["method"].nunique(), "n_test": int(n_test)}
-    metrics = {f"{r['method']}@{r['fraction']:g}/test_macro_f1": r["test_macro_f1"] for r in results}
+    metrics = {result_key(r["method"], r["fraction"], "test_macro_f1"): r["test_macro_f1"] for r in results}
     metrics["best_test_macro_f1"] = best["test_macro_f1"]
     return StageOutput(files, counts, metrics, log_artifacts=[f for f in files if not f.endswith(".parquet")])
 

@@ -15,7 +15,7 @@ from selfsup_model.classify import stratified_subset, train_classifier
 from selfsup_model.pretrain_callbacks import save_keras_atomic
 from selfsup_model.report import PREDICTION_COLUMNS
 from tasks.io import write_parquet
-from tasks.labelled import ENCODED_INPUTS, LabelledData, load_labelled, prediction_rows
+from tasks.labelled import ENCODED_INPUTS, LabelledData, load_labelled, prediction_rows, result_key
 from tasks.stage import RunContext, StageOutput, StageResult, StageSpec, run_stage
 
 log = logging.getLogger("selfsup.finetune")
@@ -72,7 +72,7 @@ def compute(ctx: RunContext, out: Path, inputs: dict[str, Path]) -> StageOutput:
     save_keras_atomic(last.model, out / "classifier.keras")
     files.append("classifier.keras")
     return StageOutput(files, {**data.counts, "runs": len(summaries)},
-                       {f"{s['method']}@{s['fraction']:g}/val_macro_f1": s["val_macro_f1"] for s in summaries})
+                       {result_key(s["method"], s["fraction"], "val_macro_f1"): s["val_macro_f1"] for s in summaries})
 
 
 @task(name="finetune", cache_policy=NO_CACHE, persist_result=False)

@@ -73,3 +73,8 @@ def prediction_rows(method: str, fraction: float, split: LabelledSplit, predicte
     """(id, method, fraction, label, prediction) rows; `predicted` holds class indices or labels."""
     names = np.asarray(classes)[predicted] if np.issubdtype(np.asarray(predicted).dtype, np.integer) else predicted
     return [(i, method, float(fraction), lab, str(p)) for i, lab, p in zip(split.ids, split.labels, names)]
+
+
+def result_key(method: str, fraction: float, metric: str) -> str:
+    """An MLflow-safe metric name for one method at one label fraction."""
+    return f"{method}/fraction_{fraction:g}/{metric}"
