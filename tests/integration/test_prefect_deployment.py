@@ -1,0 +1,103 @@
+"""The real operating path: a local Prefect server, a process work pool and worker, `prefect deploy --all`.
+
+Triggers the scheduled pipeline deployment with the tiny preset, waits for Completed, then triggers the
+single-stage rerun deployment and checks that exactly that stage ran again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PREFECT = [sys.executable, "-m", "prefect"]
+pytestmark = pytest.mark.integration
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_healthy(url: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            time.sleep(1)
+    raise TimeoutError(f"Prefect server at {url} did not become healthy")
+
+
+@pytest.fixture(scope="module")
+def prefect_server(tmp_path_factory):
+    home = tmp_path_factory.mktemp("prefect-home")
+    port = _free_port()
+    api = f"http://127.0.0.1:{port}/api"
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": api, "SELFSUP_HOME": str(ROOT),
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_LOGGING_LEVEL": "WARNING",
+           "MLFLOW_TRACKING_URI": f"sqlite:///{home / 'mlflow.db'}"}
+    env.pop("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", None)
+    server = subprocess.Popen([*PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        _wait_healthy(api)
+        yield env, home
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def _prefect(env, *args: str, timeout: float = 300) -> str:
+    out = subprocess.run([*PREFECT, "--no-prompt", *args], env=env, cwd=ROOT, capture_output=True, text=True,
+                         timeout=timeout)
+    assert out.returncode == 0, f"prefect {' '.join(args)} failed:\n{out.stdout}\n{out.stderr}"
+    return out.stdout
+
+
+def _run_and_wait(env, deployment: str, params: dict, timeout: float = 420) -> dict:
+    """Trigger a deployment, let a run-once worker execute it, return the final flow-run state."""
+    args = ["deployment", "run", deployment]
+    for key, value in params.items():
+        args += ["--param", f"{key}={value}"]
+    created = _prefect(env, *args)
+    run_id = next(line.split()[-1] for line in created.splitlines() if "UUID" in line)
+    _prefect(env, "worker", "start", "--pool", "selfsup-process", "--run-once", timeout=timeout)
+    deadline = time.monotonic() + 60
+    while True:
+        state = json.loads(_prefect(env, "flow-run", "inspect", run_id, "--output", "json"))
+        if state["state"]["type"] in {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"} or time.monotonic() > deadline:
+            return state
+        time.sleep(2)
+
+
+def test_deploy_schedule_and_rerun_one_stage(prefect_server, tmp_path):
+    env, _ = prefect_server
+    _prefect(env, "work-pool", "create", "selfsup-process", "--type", "process")
+    _prefect(env, "deploy", "--all")
+    listed = _prefect(env, "deployment", "ls")
+    assert "weekly" in listed and "rerun-stage" in listed
+
+    workdir = tmp_path / "wd"
+    run = _run_and_wait(env, "selfsup-pipeline/weekly", {"preset": "tiny", "workdir": str(workdir)})
+    assert run["state"]["type"] == "COMPLETED", run["state"]
+    manifests = {p.parent.name: json.loads(p.read_text()) for p in workdir.glob("*/manifest.json")}
+    assert set(manifests) >= {"ingest", "pretrain", "compare"}
+
+    before = {name: m["finished_at"] for name, m in manifests.items()}
+    rerun = _run_and_wait(env, "selfsup-stage/rerun-stage",
+                          {"stage": "masks", "preset": "tiny", "workdir": str(workdir)})
+    assert rerun["state"]["type"] == "COMPLETED", rerun["state"]
+    after = {p.parent.name: json.loads(p.read_text())["finished_at"] for p in workdir.glob("*/manifest.json")}
+    assert [name for name in after if after[name] != before[name]] == ["masks"]
