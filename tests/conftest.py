@@ -8,6 +8,7 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # Stages called outside a flow (run_pipeline in unit tests) have no flow run to send logs to.
 os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 import logging
 
@@ -50,3 +51,19 @@ def folder_corpus(tmp_path):
     (root / "birds" / "latin1.txt").write_bytes("Caf\xe9 au lait with the morning birds singing".encode("latin-1"))
     (root / "fish" / "empty.txt").write_text("   \n\t ", encoding="utf-8")
     return root
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory, prefect_harness):
+    """The whole tiny pipeline on the embedded corpus, run once through the Prefect flow.
+
+    Tracking goes to the workdir's default store (<workdir>/mlflow.db), as for a user.
+    """
+    from flows.pipeline import pipeline_flow
+
+    wd = tmp_path_factory.mktemp("e2e") / "wd"
+    mp = pytest.MonkeyPatch()
+    mp.delenv("MLFLOW_TRACKING_URI", raising=False)
+    results = pipeline_flow(corpus="pydocs", workdir=str(wd), preset="tiny")
+    mp.undo()
+    yield wd, f"sqlite:///{wd.resolve() / 'mlflow.db'}", results

@@ -4,10 +4,9 @@ import json
 
 import numpy as np
 import pandas as pd
-import pytest
 from mlflow.tracking import MlflowClient
 
-from flows.pipeline import pipeline_flow, run_pipeline
+from flows.pipeline import run_pipeline
 from flows.report import collect_report
 from selfsup_model.artifacts import read_manifest, sha256_file
 from selfsup_model.config import build_config
@@ -20,17 +19,6 @@ DETERMINISTIC = [
     "encode/val_windows.npy", "encode/test_windows.npy", "masks/val_masks.npz",
 ]
 UP_TO_MASKS = ["ingest", "dedup", "split", "tokenizer", "encode", "masks"]
-
-
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory, prefect_harness):
-    wd = tmp_path_factory.mktemp("e2e") / "wd"
-    uri = f"sqlite:///{wd.parent / 'mlflow.db'}"
-    mp = pytest.MonkeyPatch()
-    mp.setenv("MLFLOW_TRACKING_URI", uri)
-    results = pipeline_flow(corpus="pydocs", workdir=str(wd), preset="tiny")
-    yield wd, uri, results
-    mp.undo()
 
 
 def test_every_stage_ran_and_the_accounting_balances(tiny_run):

@@ -1,0 +1,160 @@
+"""Backbone masks, heads and save/load: the four-masks contract at tiny sizes."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+
+from selfsup_model.config import ModelConfig
+from selfsup_model.layers import PaddingMask, TokenAndPositionEmbedding, TransformerEncoderBlock
+from selfsup_model.model import (
+    MaskedLMHead,
+    PretrainExportModel,
+    PretrainingModel,
+    build_backbone,
+    build_pretrain_export_model,
+    build_pretraining_model,
+    token_embedding_of,
+)
+from selfsup_model.specials import CLS_ID, MASK_ID, PAD_ID, SEP_ID
+
+V, L = 24, 10
+
+
+def _cfg(**kw) -> ModelConfig:
+    return ModelConfig(**{"hidden": 8, "layers": 2, "heads": 2, "ff": 16, "dropout": 0.0, **kw})
+
+
+def _ids(rows: list[list[int]], length: int = L) -> np.ndarray:
+    out = np.full((len(rows), length), PAD_ID, dtype=np.int32)
+    for i, row in enumerate(rows):
+        full = [CLS_ID, *row, SEP_ID]
+        out[i, : len(full)] = full
+    return out
+
+
+def _run(model, x) -> np.ndarray:
+    return np.asarray(keras.ops.convert_to_numpy(model(x, training=False)))
+
+
+@pytest.fixture(scope="module", params=["post", "pre"])
+def bidirectional(request):
+    keras.utils.set_random_seed(1)
+    return build_backbone(V, L, _cfg(norm=request.param))
+
+
+@pytest.fixture(scope="module")
+def causal():
+    keras.utils.set_random_seed(2)
+    return build_backbone(V, L, _cfg(), causal=True)
+
+
+def test_causal_mask_future_tokens_do_not_change_earlier_states(causal):
+    ids = _ids([[7, 8, 9, 10, 11, 12]])
+    changed = ids.copy()
+    changed[0, 5] = 20  # a token at position 5; positions 0..4 must not see it
+    a, b = _run(causal, ids), _run(causal, changed)
+    np.testing.assert_allclose(a[0, :5], b[0, :5], atol=1e-6)
+    assert np.abs(a[0, 5:] - b[0, 5:]).max() > 1e-4
+
+
+def test_bidirectional_states_do_see_later_tokens(bidirectional):
+    ids = _ids([[7, 8, 9, 10, 11, 12]])
+    changed = ids.copy()
+    changed[0, 5] = 20
+    assert np.abs(_run(bidirectional, ids)[0, :5] - _run(bidirectional, changed)[0, :5]).max() > 1e-4
+
+
+@pytest.mark.parametrize("norm,is_causal", [("post", False), ("pre", False), ("post", True)])
+def test_real_positions_ignore_how_much_padding_follows(norm, is_causal):
+    keras.utils.set_random_seed(6)
+    backbone = build_backbone(V, L, _cfg(norm=norm), causal=is_causal)
+    real = [7, 8, 9]  # [CLS] 7 8 9 [SEP] = 5 real tokens
+    short, long = _ids([real], length=7), _ids([real], length=10)  # 2 vs 5 trailing [PAD]
+    a, b = _run(backbone, short), _run(backbone, long)
+    np.testing.assert_allclose(a[0, :5], b[0, :5], atol=1e-5)
+
+
+def test_mask_token_is_a_visible_query_and_key(bidirectional):
+    ids = _ids([[7, MASK_ID, 9, 10]])
+    assert keras.ops.convert_to_numpy(PaddingMask()(ids))[0, :6].all()  # [MASK] is not padding
+    embedding = token_embedding_of(bidirectional).token_embedding
+    before = _run(bidirectional, ids)
+    original = embedding.embeddings.numpy()
+    try:  # other positions read the [MASK] position's content: it is an attended key
+        moved = original.copy()
+        # A random direction: a constant shift would be removed by LayerNorm's centring.
+        moved[MASK_ID] += np.random.default_rng(0).normal(size=moved.shape[1]).astype(moved.dtype)
+        embedding.embeddings.assign(moved)
+        after = _run(bidirectional, ids)
+    finally:
+        embedding.embeddings.assign(original)
+    others = [0, 1, 3, 4, 5]
+    assert np.abs(before[0, others] - after[0, others]).max() > 1e-4
+    assert np.isfinite(before).all()
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_gathered_mlm_logits_equal_full_logits_at_those_positions(tie):
+    keras.utils.set_random_seed(3)
+    cfg = _cfg(tie_embeddings=tie)
+    backbone = build_backbone(V, L, cfg)
+    train = build_pretraining_model(backbone, "mlm", cfg)
+    export = build_pretrain_export_model(backbone, train.head, "mlm")
+    ids = _ids([[7, MASK_ID, 9, 10], [11, 12, MASK_ID, 14, 15, 16]])
+    positions = np.array([[2, 0, 0], [3, 5, 0]], dtype=np.int32)  # padded slots point at 0
+    gathered = _run(train, {"input_ids": ids, "mask_positions": positions})  # (B, P, V)
+    full = _run(export, ids)  # (B, L, V)
+    assert gathered.shape == (2, 3, V) and full.shape == (2, L, V)
+    assert gathered.dtype == np.float32
+    np.testing.assert_allclose(gathered, np.take_along_axis(full, positions[..., None], axis=1), atol=1e-5)
+    # Shared layers, not copies: the export model owns no variable the training model lacks.
+    assert {id(v) for v in export.weights} <= {id(v) for v in train.weights}
+    assert len({id(v) for v in train.trainable_weights}) == len(train.trainable_weights)
+    if tie:
+        assert not any("decoder" in v.path for v in train.weights)
+
+
+def test_layer_configs_round_trip():
+    block = TransformerEncoderBlock(8, 2, 16, dropout=0.1, norm="pre", causal=True, name="b")
+    assert TransformerEncoderBlock.from_config(block.get_config()).get_config() == block.get_config()
+    emb = TokenAndPositionEmbedding(V, L, 8, name="e")
+    assert TokenAndPositionEmbedding.from_config(emb.get_config()).get_config() == emb.get_config()
+    head = MaskedLMHead(V, 8, tie_embeddings=False, name="h")
+    assert MaskedLMHead.from_config(head.get_config()).get_config() == head.get_config()
+    with pytest.raises(ValueError, match="divisible"):
+        TransformerEncoderBlock(9, 2, 16)
+
+
+@pytest.mark.parametrize("objective,tie", [("mlm", True), ("mlm", False), ("clm", True)])
+def test_keras_save_load_safe_mode_round_trip_is_exact(tmp_path, objective, tie):
+    keras.utils.set_random_seed(4)
+    cfg = _cfg(tie_embeddings=tie)
+    backbone = build_backbone(V, L, cfg, causal=objective == "clm")
+    train = build_pretraining_model(backbone, objective, cfg)
+    export = build_pretrain_export_model(backbone, train.head, objective)
+    ids = _ids([[7, 8, MASK_ID, 10], [11, 12, 13]])
+    x = {"input_ids": ids}
+    if objective == "mlm":
+        x["mask_positions"] = np.array([[3, 1], [2, 0]], dtype=np.int32)
+    for model, inputs, cls in ((train, x, PretrainingModel), (export, ids, PretrainExportModel),
+                               (backbone, ids, keras.Model)):
+        path = tmp_path / f"{model.name}.keras"
+        model.save(path)
+        loaded = keras.saving.load_model(path, safe_mode=True)
+        assert isinstance(loaded, cls)
+        np.testing.assert_array_equal(_run(loaded, inputs), _run(model, inputs))
+    reloaded = keras.saving.load_model(tmp_path / f"{export.name}.keras", safe_mode=True)
+    # After reload the tie still holds: the head projects with the reloaded embedding matrix.
+    assert (reloaded.head.token_embedding is token_embedding_of(reloaded.backbone)) == tie
+
+
+def test_mixed_precision_backbone_still_returns_float32_logits():
+    keras.utils.set_random_seed(5)
+    cfg = _cfg()
+    backbone = build_backbone(V, L, cfg, dtype="mixed_bfloat16")
+    train = build_pretraining_model(backbone, "mlm", cfg)
+    out = train({"input_ids": _ids([[7, 8, 9]]), "mask_positions": np.array([[1, 2]], np.int32)})
+    assert keras.backend.standardize_dtype(out.dtype) == "float32"
+    assert keras.backend.standardize_dtype(backbone.output.dtype) == "bfloat16"

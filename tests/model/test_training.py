@@ -1,0 +1,222 @@
+"""Pretraining: step-addressed data, schedule, a tiny run that learns, and kill-and-resume."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import keras
+import numpy as np
+import pytest
+
+from selfsup_model.config import MaskingConfig, ModelConfig, PretrainConfig
+from selfsup_model.masking import make_static_masks
+from selfsup_model.model import build_backbone, build_pretraining_model
+from selfsup_model.pretrain_data import PretrainBatches, budget_steps, unigram_log_probs
+from selfsup_model.specials import CLS_ID, NUM_SPECIAL, PAD_ID, SEP_ID
+from selfsup_model.training import (
+    WarmupDecay,
+    build_optimizer,
+    evaluate_masked_lm,
+    pretrain,
+    resolve_jit,
+    resolve_precision,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+V, L = 30, 12
+MASKS = MaskingConfig(max_predictions=4, select_rate=0.3)  # more targets per step: learns in 40
+MODEL = ModelConfig(hidden=16, layers=1, heads=2, ff=32, dropout=0.0, norm="pre")
+
+
+def topic_windows(n: int, seed: int) -> np.ndarray:
+    """Each window draws its tokens from one of 4 disjoint groups of 5 ids: a masked token is
+    predictable from its context (loss -> ln 5) but not from unigram counts (ln 20)."""
+    rng = np.random.default_rng(seed)
+    w = np.full((n, L), PAD_ID, dtype=np.int32)
+    for i in range(n):
+        sep = rng.integers(6, L)
+        group = rng.integers(0, 4)
+        w[i, 0], w[i, sep] = CLS_ID, SEP_ID
+        w[i, 1:sep] = NUM_SPECIAL + 5 * group + rng.integers(0, 5, size=sep - 1)
+    return w
+
+
+def tiny_config(**kw) -> PretrainConfig:
+    base = {"batch_size": 16, "steps": 40, "learning_rate": 2e-2, "warmup_steps": 4, "log_every": 10,
+            "eval_every": 20, "checkpoint_every": 20}
+    return PretrainConfig(**{**base, **kw})
+
+
+def tiny_run(out_dir: str, log_path: str | None = None, dropout: float = 0.0, **cfg_kw):
+    """One tiny pretraining run; also the entry point of the kill-and-resume subprocess."""
+    def log_metrics(metrics, step):
+        if log_path is not None:
+            with open(log_path, "a", encoding="utf-8") as fh:
+                fh.write(json.dumps({"step": step, **metrics}) + "\n")
+
+    val = make_static_masks(topic_windows(64, 1), MASKS, V, seed=7)
+    model = MODEL.model_copy(update={"dropout": dropout})
+    return pretrain(topic_windows(512, 0), val, V, model, tiny_config(**cfg_kw), MASKS, out_dir,
+                    log_metrics=log_metrics, progress=False)
+
+
+# ----------------------------------------------------------------------------- data and schedule
+
+
+def _batches(**kw) -> PretrainBatches:
+    args = {"objective": "mlm", "batch_size": 4, "total_steps": 50, "seed": 3, "masking": MASKS,
+            "vocab_size": V}
+    return PretrainBatches(topic_windows(10, 2), **{**args, **kw})
+
+
+def test_batch_of_a_step_is_a_pure_function_of_the_step():
+    fresh, resumed = _batches(), _batches(start_step=7)
+    assert len(resumed) == 43
+    for step in (0, 7, 12):
+        a = fresh.batch_for_step(step)
+        b = fresh.batch_for_step(step)  # again, after other steps were built
+        c = resumed[step - 7] if step >= 7 else fresh[step]
+        for x, y, z in zip((a[0]["input_ids"], a[1], a[2]), (b[0]["input_ids"], b[1], b[2]),
+                           (c[0]["input_ids"], c[1], c[2]), strict=True):
+            np.testing.assert_array_equal(x, y)
+            np.testing.assert_array_equal(x, z)
+
+
+def test_each_pass_visits_every_window_once_and_passes_differ():
+    data = _batches(batch_size=5)  # 10 windows: steps 0-1 are pass 0, steps 2-3 pass 1
+    first = np.concatenate([data.window_indices(s) for s in (0, 1)])
+    second = np.concatenate([data.window_indices(s) for s in (2, 3)])
+    assert sorted(first) == sorted(second) == list(range(10))
+    assert list(first) != list(second)
+
+
+def test_dynamic_masks_change_between_passes_static_masks_do_not():
+    def selections(static: bool) -> list[np.ndarray]:
+        data = _batches(batch_size=10, static_masks=static)  # one step = one whole pass
+        out = []
+        for step in range(4):
+            x, _, _ = data.batch_for_step(step)
+            order = np.argsort(data.window_indices(step))
+            out.append(x["input_ids"][order])
+        return out
+
+    dynamic, static = selections(False), selections(True)
+    assert any(not np.array_equal(dynamic[0], d) for d in dynamic[1:])
+    assert all(np.array_equal(static[0], s) for s in static[1:])
+
+
+def test_budget_by_tokens_and_schedule_shape():
+    assert budget_steps(PretrainConfig(steps=7), 128) == 7
+    assert budget_steps(PretrainConfig(batch_size=4, max_tokens=1000), 32) == 8  # ceil(1000 / 128)
+    s = WarmupDecay(1.0, warmup_steps=4, total_steps=20)
+    lr = [float(keras.ops.convert_to_numpy(s(k))) for k in range(20)]
+    assert lr[0] == pytest.approx(0.25) and lr[3] == pytest.approx(1.0)
+    assert all(a >= b for a, b in itertools.pairwise(lr[3:]))
+    assert lr[19] == pytest.approx(0.0, abs=1e-7)
+
+
+def test_weight_decay_skips_norms_biases_embeddings_and_cpu_defaults_stay_float32():
+    backbone = build_backbone(V, L, MODEL)
+    model = build_pretraining_model(backbone, "mlm", MODEL)
+    opt = build_optimizer(tiny_config(), 10)
+    opt.build(model.trainable_variables)
+    decayed = {v.path for v in model.trainable_variables if opt._use_weight_decay(v)}
+    assert decayed and all(v.endswith("kernel") for v in decayed)
+    assert keras.optimizers.deserialize(keras.optimizers.serialize(opt)).no_decay == opt.no_decay
+    if not any(d.startswith("gpu") for d in keras.distribution.list_devices()):
+        assert resolve_precision("auto") == "float32"
+        assert resolve_jit("auto") == (keras.backend.backend() == "jax")
+    assert resolve_precision("bf16") == "mixed_bfloat16" and resolve_jit("off") is False
+
+
+def test_unigram_distribution_is_add_one_smoothed_over_targets():
+    windows = np.array([[CLS_ID, 7, 7, 8, SEP_ID, PAD_ID]], dtype=np.int32)
+    p = np.exp(unigram_log_probs(windows, 10, "mlm"))
+    # counts 7:2, 8:1, 9:0 -> (3, 2, 1) / 6; special ids are never targets
+    np.testing.assert_allclose(p, [0, 0, 0, 0, 0, 0, 0, 3 / 6, 2 / 6, 1 / 6])
+
+
+def test_a_batch_with_nothing_scored_gives_zero_loss_and_is_counted():
+    model = build_pretraining_model(build_backbone(V, L, MODEL), "mlm", MODEL)
+    model.compile(optimizer=build_optimizer(tiny_config(), 10))
+    x = {"input_ids": topic_windows(2, 0), "mask_positions": np.zeros((2, 4), np.int32)}
+    logs = model.train_on_batch(x, np.zeros((2, 4), np.int32), np.zeros((2, 4), np.float32),
+                                return_dict=True)
+    assert logs["mlm_loss"] == 0.0 and logs["empty_batches"] == 1.0 and logs["scored_tokens"] == 0.0
+    assert all(np.isfinite(keras.ops.convert_to_numpy(v)).all() for v in model.trainable_variables)
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("pretrain")
+    log = out / "logged.jsonl"
+    result = tiny_run(str(out), str(log))
+    return out, result, [json.loads(line) for line in log.read_text().splitlines()]
+
+
+def test_tiny_run_beats_the_unigram_baseline_and_writes_its_artifacts(finished_run):
+    out, result, logged = finished_run
+    assert result.steps == 40 and result.tokens_seen == 40 * 16 * L
+    assert result.val_metrics["val/mlm_loss"] < result.unigram_baseline_loss - 0.2
+    for name in ("encoder.keras", "pretrain_model.keras", "history.json", "loss_curve.png"):
+        assert (out / name).stat().st_size > 0
+    assert [p.name for p in (out / "checkpoints").glob("ckpt-*.keras")] == ["ckpt-00000040.keras"]
+    history = json.loads((out / "history.json").read_text())
+    assert [h["step"] for h in history] == [10, 20, 30, 40] == [entry["step"] for entry in logged]
+    for entry in logged:  # a scored-token count beside every loss, never an MLM "perplexity"
+        assert "train/scored_tokens" in entry and "train/mlm_loss" in entry
+        assert not any("perplexity" in key for key in entry)
+    assert {"val/mlm_loss", "val/mlm_accuracy", "val/scored_tokens",
+            "val/unigram_baseline_loss"} <= set(logged[-1])
+    encoder = keras.saving.load_model(out / "encoder.keras", safe_mode=True)
+    assert encoder.output_shape == (None, None, MODEL.hidden)
+
+
+def test_logged_final_val_loss_is_recomputable_from_the_saved_model(finished_run):
+    out, _, logged = finished_run
+    export = keras.saving.load_model(out / "pretrain_model.keras", safe_mode=True)
+    val = make_static_masks(topic_windows(64, 1), MASKS, V, seed=7)
+    again = evaluate_masked_lm(export, val, batch_size=16)
+    assert again["loss"] == pytest.approx(logged[-1]["val/mlm_loss"], abs=1e-5)
+    assert again["scored_tokens"] == logged[-1]["val/scored_tokens"] == val["loss_weights"].sum()
+
+
+def test_killed_run_resumes_to_the_same_result(tmp_path):
+    # Dropout on: the resumed run must also replay the dropout random streams.
+    ref_log = tmp_path / "reference.jsonl"
+    reference = tiny_run(str(tmp_path / "reference"), str(ref_log), dropout=0.1)
+    ref_logged = [json.loads(line) for line in ref_log.read_text().splitlines()]
+    out, log = tmp_path / "run", tmp_path / "logged.jsonl"
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from tests.model.test_training import "
+            "tiny_run; tiny_run(sys.argv[2], sys.argv[3], dropout=0.1)")
+    cmd = [sys.executable, "-c", code, str(ROOT), str(out), str(log)]
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    first = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    latest, deadline = out / "checkpoints" / "latest.json", time.monotonic() + 60
+    while not latest.exists() and first.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    assert first.returncode == -signal.SIGKILL, first.stderr.read().decode()[-2000:]
+    assert json.loads(latest.read_text())["step"] == 20
+    assert not (out / "pretrain_model.keras").exists()
+
+    done = subprocess.run(cmd, env=env, capture_output=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    history = json.loads((out / "history.json").read_text())
+    steps = [h["step"] for h in history]
+    assert steps == [h["step"] for h in json.loads(reference.history_path.read_text())]
+    logged_steps = [json.loads(line)["step"] for line in log.read_text().splitlines()]
+    assert sorted(logged_steps) == sorted(set(logged_steps)) == [e["step"] for e in ref_logged]
+    # Same batches, optimiser state and dropout draws: it ends where the uninterrupted run did.
+    assert history[-1]["val/mlm_loss"] == pytest.approx(reference.val_metrics["val/mlm_loss"], abs=1e-6)
