@@ -26,14 +26,17 @@ def collect_report(workdir: str | Path) -> dict[str, Any]:
 
 
 def accounting(stages: dict[str, Any]) -> dict[str, Any]:
-    """read = kept + duplicates + rejected, from the ingest and dedup counts."""
+    """read = kept + duplicates + rejected, from the ingest, dedup and encode counts."""
     ingest = stages.get("ingest", {}).get("counts")
     if not ingest:
         return {}
     dedup = stages.get("dedup", {}).get("counts") or {}
-    rejected = ingest["rejected"] - ingest.get("rejected_duplicate_text", 0)
+    encode = stages.get("encode", {}).get("counts") or {}
+    # Documents that tokenise to nothing are rejected at encode (reason no_tokens).
+    no_tokens = encode.get("empty_docs", 0)
+    rejected = ingest["rejected"] - ingest.get("rejected_duplicate_text", 0) + no_tokens
     duplicates = ingest.get("rejected_duplicate_text", 0) + dedup.get("duplicates_removed", 0)
-    kept = dedup.get("kept", ingest["kept"])
+    kept = dedup.get("kept", ingest["kept"]) - no_tokens
     return {
         "read": ingest["read"], "kept": kept, "duplicates": duplicates, "rejected": rejected,
         "balanced": ingest["read"] == kept + duplicates + rejected,

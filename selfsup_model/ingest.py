@@ -90,7 +90,8 @@ def iter_folder(root: Path) -> Iterator[RawRecord]:
     """Records of a folder-per-class corpus, in sorted path order."""
     if not root.is_dir():
         raise CorpusError(f"corpus folder {str(root)!r} does not exist or is not a folder")
-    files = sorted(p for p in root.rglob("*.txt") if p.is_file())
+    # Not only regular files: a dangling link or special file named *.txt is reported, not skipped.
+    files = sorted(p for p in root.rglob("*.txt") if not p.is_dir())
     if not files:
         raise CorpusError(f"corpus folder {str(root)!r} holds no .txt files (expected <folder>/<label>/*.txt)")
     for path in files:

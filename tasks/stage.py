@@ -13,6 +13,8 @@ import dataclasses
 import datetime as dt
 import json
 import logging
+import os
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -202,6 +204,7 @@ def run_stage(spec: StageSpec, ctx: RunContext, compute: Compute) -> StageResult
         _track_end(ctx, child, "FAILED")
         raise
     duration = time.perf_counter() - t0
+    _fault_point(spec.name)
     manifest = StageManifest(
         stage=spec.name, code_version=code_version(spec), params=params, inputs=inputs,
         outputs=record_outputs(stage_dir, out.files), counts=_canonical(out.counts),
@@ -212,6 +215,13 @@ def run_stage(spec: StageSpec, ctx: RunContext, compute: Compute) -> StageResult
     _track_finish(ctx, child, spec.name, manifest, [stage_dir / a for a in out.log_artifacts])
     log.info("%s: done in %.1fs %s", spec.name, duration, json.dumps(out.counts, default=str)[:400])
     return StageResult(spec.name, "ran", str(stage_dir), manifest.counts, manifest.metrics, duration, reason)
+
+
+def _fault_point(stage: str) -> None:
+    """Fault injection for the reliability tests: SELFSUP_FAULT_KILL=<stage> SIGKILLs this process
+    after the stage wrote its outputs and before its manifest, the worst moment to die."""
+    if os.environ.get("SELFSUP_FAULT_KILL") == stage:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 # -- tracking glue (all optional: a context without a tracker logs nothing) --------------------

@@ -17,6 +17,8 @@ from typing import Any
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 
+from selfsup_model.errors import UserError
+
 log = logging.getLogger("selfsup.tracking")
 
 _PARAM_MAX = 6000
@@ -60,7 +62,13 @@ class Tracker:
     def __init__(self, tracking_uri: str, experiment: str, artifact_root: Path | None = None):
         self.tracking_uri = tracking_uri
         self.client = MlflowClient(tracking_uri=tracking_uri)
-        found = self.client.get_experiment_by_name(experiment)
+        try:
+            found = self.client.get_experiment_by_name(experiment)
+        except Exception as exc:  # noqa: BLE001 - any failure here means the store is unusable
+            raise UserError(
+                f"MLflow tracking store {tracking_uri} is unavailable ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0][:200]}); fix MLFLOW_TRACKING_URI or run with --no-tracking"
+            ) from None
         if found is not None:
             self.experiment_id = found.experiment_id
         else:

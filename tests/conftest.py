@@ -15,9 +15,12 @@ import logging
 import pytest
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="session", autouse=True)
 def prefect_harness():
-    """A throwaway Prefect API for tests that run flows (started once: it takes seconds)."""
+    """A throwaway Prefect API for every test (started once: it takes seconds).
+
+    Without it, each test that touches a task or flow would start its own temporary server.
+    """
     from prefect.testing.utilities import prefect_test_harness
 
     with prefect_test_harness(server_startup_timeout=120):
