@@ -15,7 +15,13 @@ from selfsup_model.specials import PAD_ID
 _PACKAGE = "selfsup"
 
 
-def _init(stddev: float = 0.02) -> keras.initializers.Initializer:
+def gelu(x):
+    # The tanh approximation, as in the original BERT and GPT-2 code: on CPU the
+    # 4x256 training step measured ~5% faster than with the erf form.
+    return keras.activations.gelu(x, approximate=True)
+
+
+def truncated_normal_init(stddev: float = 0.02) -> keras.initializers.Initializer:
     # BERT's initialiser: small weights keep the tied output projection's
     # first logits near uniform, so the first loss is close to ln(V).
     return keras.initializers.TruncatedNormal(stddev=stddev)
@@ -39,11 +45,11 @@ class TokenAndPositionEmbedding(layers.Layer):
         self.max_len = int(max_len)
         self.hidden = int(hidden)
         self.token_embedding = layers.Embedding(
-            self.vocab_size, self.hidden, embeddings_initializer=_init(),
+            self.vocab_size, self.hidden, embeddings_initializer=truncated_normal_init(),
             dtype=self.dtype_policy, name="token_embedding",
         )
         self.position_embedding = layers.Embedding(
-            self.max_len, self.hidden, embeddings_initializer=_init(),
+            self.max_len, self.hidden, embeddings_initializer=truncated_normal_init(),
             dtype=self.dtype_policy, name="position_embedding",
         )
 
@@ -93,12 +99,13 @@ class TransformerEncoderBlock(layers.Layer):
         dt = self.dtype_policy
         self.attention = layers.MultiHeadAttention(
             num_heads=self.heads, key_dim=self.hidden // self.heads, dropout=self.dropout,
-            kernel_initializer=_init(), dtype=dt, name="attention",
+            kernel_initializer=truncated_normal_init(), dtype=dt, name="attention",
         )
         self.attention_dropout = layers.Dropout(self.dropout, dtype=dt, name="attention_dropout")
         self.attention_norm = layers.LayerNormalization(epsilon=epsilon, dtype=dt, name="attention_norm")
-        self.ff_in = layers.Dense(self.ff, activation="gelu", kernel_initializer=_init(), dtype=dt, name="ff_in")
-        self.ff_out = layers.Dense(self.hidden, kernel_initializer=_init(), dtype=dt, name="ff_out")
+        init = truncated_normal_init
+        self.ff_in = layers.Dense(self.ff, kernel_initializer=init(), dtype=dt, name="ff_in")
+        self.ff_out = layers.Dense(self.hidden, kernel_initializer=init(), dtype=dt, name="ff_out")
         self.ff_dropout = layers.Dropout(self.dropout, dtype=dt, name="ff_dropout")
         self.ff_norm = layers.LayerNormalization(epsilon=epsilon, dtype=dt, name="ff_norm")
 
@@ -120,7 +127,7 @@ class TransformerEncoderBlock(layers.Layer):
             return self.attention_dropout(out, training=training)
 
         def feed_forward(h):
-            out = self.ff_out(self.ff_in(h))  # (B, L, F) -> (B, L, H)
+            out = self.ff_out(gelu(self.ff_in(h)))  # (B, L, F) -> (B, L, H)
             return self.ff_dropout(out, training=training)
 
         if self.norm == "post":

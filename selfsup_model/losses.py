@@ -56,10 +56,11 @@ class TokenWeightedLoss(keras.metrics.Metric):
         self.empty_batches.assign_add(ops.cast(weight_sum <= 0, self.dtype))
 
     def result(self):
+        loss_sum, weight_sum = ops.convert_to_tensor(self.loss_sum), ops.convert_to_tensor(self.weight_sum)
         return {
-            self.name: safe_divide(self.loss_sum, self.weight_sum),
-            f"{self.name}_sum": ops.convert_to_tensor(self.loss_sum),
-            "scored_tokens": ops.convert_to_tensor(self.weight_sum),
+            self.name: safe_divide(loss_sum, weight_sum),
+            f"{self.name}_sum": loss_sum,
+            "scored_tokens": weight_sum,
             "empty_batches": ops.convert_to_tensor(self.empty_batches),
         }
 
