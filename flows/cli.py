@@ -40,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(run)
     run.add_argument("--only", metavar="STAGE", help="run just this stage (its inputs must exist)")
     run.add_argument("--from", dest="from_stage", metavar="STAGE", help="rerun this stage and everything after it")
+    run.add_argument("--to", dest="to_stage", metavar="STAGE", help="stop after this stage (e.g. --to masks)")
     run.add_argument("--force", action="append", default=[], metavar="STAGE",
                      help="rerun this stage even if up to date; downstream reruns if its inputs change (repeatable)")
     run.add_argument("--no-tracking", action="store_true", help="do not log to MLflow")
@@ -63,7 +64,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     cfg = resolve_config(args.preset, None, args.overrides, args.config_file)
     results = pipeline_flow(corpus=args.corpus, corpus_format=args.corpus_format, workdir=args.workdir,
                             preset=args.preset, config=cfg, only=args.only, from_stage=args.from_stage,
-                            force=args.force, tracking=not args.no_tracking)
+                            to_stage=args.to_stage, force=args.force, tracking=not args.no_tracking)
     for r in results:
         print(f"  {r['stage']:<10} {r['status']:<8} {r['duration_s']:7.1f}s  {r['reason']}")
     _print_comparison(Path(args.workdir) / "compare")

@@ -27,18 +27,20 @@ DEFAULT_WORKDIR = "data/runs/default"
 CorpusFormat = Literal["auto", "folder", "table", "pydocs"]
 
 
-def select_stages(only: str | None = None, from_stage: str | None = None) -> list[str]:
-    """The stages to visit, in order."""
-    for name in (only, from_stage):
+def select_stages(only: str | None = None, from_stage: str | None = None, to_stage: str | None = None) -> list[str]:
+    """The stages to visit, in order: one (--only), or a range (--from/--to, inclusive)."""
+    for name in (only, from_stage, to_stage):
         if name is not None and name not in STAGE_NAMES:
             raise UserError(f"unknown stage {name!r}; stages are: {', '.join(STAGE_NAMES)}")
-    if only and from_stage:
-        raise UserError("use either --only or --from, not both")
+    if only and (from_stage or to_stage):
+        raise UserError("use either --only or --from/--to, not both")
     if only:
         return [only]
-    if from_stage:
-        return list(STAGE_NAMES[STAGE_NAMES.index(from_stage):])
-    return list(STAGE_NAMES)
+    start = STAGE_NAMES.index(from_stage) if from_stage else 0
+    stop = STAGE_NAMES.index(to_stage) + 1 if to_stage else len(STAGE_NAMES)
+    if start >= stop:
+        raise UserError(f"--from {from_stage} comes after --to {to_stage}")
+    return list(STAGE_NAMES[start:stop])
 
 
 def resolve_config(preset: str, config: PipelineConfig | None, overrides: list[str],
@@ -106,6 +108,7 @@ def pipeline_flow(
     overrides: list[str] | None = None,
     only: str | None = None,
     from_stage: str | None = None,
+    to_stage: str | None = None,
     force: list[str] | None = None,
     tracking: bool = True,
 ) -> list[dict[str, Any]]:
@@ -114,7 +117,7 @@ def pipeline_flow(
     force = list(force or [])
     if from_stage:
         force.append(from_stage)
-    results = run_pipeline(cfg, corpus, corpus_format, workdir, select_stages(only, from_stage), force, preset,
+    results = run_pipeline(cfg, corpus, corpus_format, workdir, select_stages(only, from_stage, to_stage), force, preset,
                            tracking=tracking)
     return [r.__dict__ for r in results]
 

@@ -1,0 +1,164 @@
+"""Faults: SIGKILL mid-stage, tampered artifacts, two runs on one workdir, an unreachable MLflow store."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from prefect.settings import PREFECT_API_URL
+
+from flows.cli import main
+from selfsup_model.artifacts import sha256_file
+from tasks.lock import workdir_lock
+
+ROOT = Path(__file__).resolve().parents[2]
+DETERMINISTIC = [
+    "ingest/documents.parquet", "dedup/clusters.parquet", "dedup/signatures.npy", "split/assignments.parquet",
+    "tokenizer/tokenizer.json", "encode/train_windows.npy", "encode/val_windows.npy", "masks/val_masks.npz",
+]
+
+
+class Run:
+    """A `selfsup run` subprocess in its own session, with output in files.
+
+    Files, not pipes: when the CLI is SIGKILLed, the temporary Prefect server it started would hold
+    a pipe open forever. `finish()` reaps the whole process group.
+    """
+
+    def __init__(self, workdir: Path, *extra: str, env: dict | None = None, tmp: Path):
+        cmd = [sys.executable, "-m", "flows.cli", "run", "--preset", "tiny", "--workdir", str(workdir), *extra]
+        # Share the session's test Prefect API instead of starting a temporary server per process.
+        env = {"PREFECT_API_URL": str(PREFECT_API_URL.value()), **(env or {})}
+        self.out_path, self.err_path = tmp / f"out-{time.monotonic_ns()}", tmp / f"err-{time.monotonic_ns()}"
+        with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
+            self.proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, cwd=ROOT, stdout=out, stderr=err,
+                                         start_new_session=True)
+        self.pid = self.proc.pid
+
+    def poll(self):
+        return self.proc.poll()
+
+    def kill(self) -> None:
+        os.killpg(self.pid, signal.SIGKILL)
+
+    def finish(self, timeout: float = 600) -> Run:
+        try:
+            self.proc.wait(timeout=timeout)
+        finally:
+            try:
+                os.killpg(self.pid, signal.SIGKILL)  # leftovers such as a temporary Prefect server
+            except ProcessLookupError:
+                pass
+        self.returncode = self.proc.returncode
+        self.stdout, self.stderr = self.out_path.read_text(), self.err_path.read_text()
+        return self
+
+
+def _cli(workdir: Path, *extra: str, env: dict | None = None, wait: bool = True, tmp: Path):
+    run = Run(workdir, *extra, env=env, tmp=tmp)
+    return run.finish() if wait else run
+
+
+@pytest.mark.parametrize("stage", ["dedup", "encode"])
+def test_killed_stage_is_never_trusted_and_rerun_matches_an_uninterrupted_run(tmp_path, tiny_run, stage):
+    reference, _, _ = tiny_run
+    wd = tmp_path / "wd"
+    killed = _cli(wd, "--to", "masks", "--no-tracking", env={"SELFSUP_FAULT_KILL": stage}, tmp=tmp_path)
+    assert killed.returncode == -signal.SIGKILL
+    assert not (wd / stage / "manifest.json").exists()  # outputs may be there, but untrusted
+    again = _cli(wd, "--to", "masks", "--no-tracking", tmp=tmp_path)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert f"{stage}: running (no valid manifest)" in again.stderr
+    for key in DETERMINISTIC:
+        assert sha256_file(wd / key) == sha256_file(reference / key), key
+
+
+def test_pretraining_killed_after_a_checkpoint_resumes_to_the_same_step_count(tmp_path, tiny_run):
+    reference, _, _ = tiny_run
+    wd = tmp_path / "wd"
+    shutil.copytree(reference, wd, ignore=shutil.ignore_patterns("pretrain", "finetune", "baseline", "compare",
+                                                                  "mlflow.db", "mlartifacts"))
+    args = ("--to", "pretrain", "--no-tracking", "--set", "pretrain.steps=240", "--set", "pretrain.checkpoint_every=40")
+    proc = _cli(wd, *args, wait=False, tmp=tmp_path)
+    ckpts = wd / "pretrain" / "checkpoints"
+    deadline = time.monotonic() + 300
+    while not list(ckpts.glob("*.keras")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert proc.poll() is None, "pretraining finished before it could be killed"
+    proc.kill()
+    proc.finish()
+    assert not (wd / "pretrain" / "manifest.json").exists()
+    again = _cli(wd, *args, tmp=tmp_path)
+    assert again.returncode == 0, again.stderr[-2000:]
+    manifest = json.loads((wd / "pretrain" / "manifest.json").read_text())
+    assert manifest["counts"]["steps"] == 240
+    assert manifest["counts"]["resumed_from_step"] > 0
+    steps = [entry["step"] for entry in json.loads((wd / "pretrain" / "history.json").read_text())]
+    assert len(steps) == len(set(steps)) and steps == sorted(steps)
+
+
+def _copy_run(reference: Path, dest: Path) -> Path:
+    shutil.copytree(reference, dest, ignore=shutil.ignore_patterns("mlflow.db", "mlartifacts"))
+    return dest
+
+
+@pytest.mark.parametrize("artifact, consumer", [
+    ("split/assignments.parquet", "tokenizer"),
+    ("pretrain/encoder.keras", "finetune"),
+])
+def test_tampered_artifact_is_refused_by_its_consumer_and_rebuilt_by_its_stage(
+        tmp_path, tiny_run, capsys, artifact, consumer):
+    wd = _copy_run(tiny_run[0], tmp_path / "wd")
+    path = wd / artifact
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    code = main(["run", "--preset", "tiny", "--workdir", str(wd), "--only", consumer, "--no-tracking"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "no longer matches the hash" in err and f"--force {artifact.split('/')[0]}" in err
+    stage = artifact.split("/")[0]
+    assert main(["run", "--preset", "tiny", "--workdir", str(wd), "--only", stage, "--no-tracking"]) == 0
+    assert "output " + artifact.split("/")[1] + " is missing or was modified" in capsys.readouterr().out
+
+
+def test_a_second_run_on_a_busy_workdir_is_refused(tmp_path, capsys):
+    wd = tmp_path / "wd"
+    with workdir_lock(wd):
+        assert main(["run", "--preset", "tiny", "--workdir", str(wd), "--no-tracking"]) == 2
+    err = capsys.readouterr().err
+    assert f"workdir {wd} is in use by another selfsup run (pid {os.getpid()})" in err
+
+
+def test_two_processes_on_one_workdir(tmp_path):
+    wd = tmp_path / "wd"
+    first = _cli(wd, "--to", "split", "--no-tracking", wait=False, tmp=tmp_path)
+    lock = wd / ".selfsup.lock"
+    deadline = time.monotonic() + 120
+    while not (lock.exists() and lock.read_text().strip() == str(first.pid)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    second = _cli(wd, "--to", "split", "--no-tracking", tmp=tmp_path)
+    out = first.finish().stderr
+    if first.returncode == 0 and second.returncode == 2:
+        assert "is in use by another selfsup run" in second.stderr
+    else:  # the first finished before the second started: both must have succeeded cleanly
+        assert (first.returncode, second.returncode) == (0, 0), out[-2000:] + second.stderr[-2000:]
+    assert json.loads((wd / "split" / "manifest.json").read_text())["stage"] == "split"
+
+
+def test_unreachable_mlflow_store_fails_clearly_before_any_stage(tmp_path):
+    wd = tmp_path / "wd"
+    env = {"MLFLOW_TRACKING_URI": "http://127.0.0.1:9", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
+           "MLFLOW_HTTP_REQUEST_TIMEOUT": "3"}
+    result = _cli(wd, "--to", "ingest", env=env, tmp=tmp_path)
+    assert result.returncode == 2
+    assert "MLflow tracking store http://127.0.0.1:9 is unavailable" in result.stderr
+    assert "--no-tracking" in result.stderr
+    assert not list(wd.glob("*/manifest.json"))
