@@ -20,7 +20,7 @@ def _calls(pattern: str) -> list[tuple[Path, str]]:
     found = []
     for path in SOURCES:
         text = path.read_text()
-        found += [(path, m.group(0)) for m in re.finditer(pattern, text, flags=re.S)]
+        found += [(path, m.group(0)) for m in re.finditer(pattern, text, flags=re.DOTALL)]
     return found
 
 
