@@ -249,10 +249,10 @@ def candidate_pairs(
 
 
 def cross_candidate_pairs(
-    index_sig: np.ndarray, query_sig: np.ndarray, threshold: float
+    index_sig: np.ndarray, query_sig: np.ndarray, threshold: float, miss_weight: float = MISS_WEIGHT
 ) -> np.ndarray:
     """LSH candidates (query_row, index_row) between two sets: (m, 2) int64, sorted, unique."""
-    bands, rows = lsh_params(threshold, index_sig.shape[1])
+    bands, rows = lsh_params(threshold, index_sig.shape[1], miss_weight)
     n_index = max(len(index_sig), 1)
     index_keys = _band_keys(index_sig, bands, rows)
     query_keys = _band_keys(query_sig, bands, rows)

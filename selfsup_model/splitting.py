@@ -37,6 +37,10 @@ from selfsup_model.minhash import (
 SPLITS = ("train", "val", "test")
 ASSIGNMENT_COLUMNS = ("id", "split", "cluster_id", "unit_id", "group")
 _MAX_EXAMPLES = 10
+# Unit building weighs LSH misses 19:1 against extra candidates (minhash.MISS_WEIGHT); the audit
+# weighs them 99:1, which at a 0.5 threshold and 128 permutations means 39 bands of 3 rows
+# (a J=0.5 pair is a candidate with probability 0.995, against 0.969 for unit building).
+AUDIT_MISS_WEIGHT = 0.99
 
 
 @dataclass(frozen=True, eq=False)
@@ -269,12 +273,15 @@ def leakage_audit(
 
     Train signatures are indexed by LSH at `relatedness_threshold`; every
     val/test document queries it and each candidate is verified with its exact
-    Jaccard. With audit_action 'fail' any finding raises UserError; with 'warn'
+    Jaccard. The index uses more bands than unit building did (AUDIT_MISS_WEIGHT),
+    so a related pair that unit building's LSH happened to miss is still likely
+    to be caught here: the audit is a second look, not the same look twice. With audit_action 'fail' any finding raises UserError; with 'warn'
     the audit's `message` says what was found. Groups count only with use_groups.
     """
     split = np.asarray(list(splits), dtype=object)
     train, query = np.flatnonzero(split == "train"), np.flatnonzero(split != "train")
-    cand = cross_candidate_pairs(signatures[train], signatures[query], cfg.relatedness_threshold)
+    cand = cross_candidate_pairs(signatures[train], signatures[query], cfg.relatedness_threshold,
+                                 miss_weight=AUDIT_MISS_WEIGHT)
     pairs = np.stack([query[cand[:, 0]], train[cand[:, 1]]], axis=1)  # (m, 2) query, train
     kind, size = dedup_cfg.shingle, dedup_cfg.shingle_size
     leaks, jac, _ = verify_candidates(
