@@ -32,7 +32,9 @@ from selfsup_model.training import (
 ROOT = Path(__file__).resolve().parents[2]
 V, L = 30, 12
 MASKS = MaskingConfig(max_predictions=4, select_rate=0.3)  # more targets per step: learns in 40
-MODEL = ModelConfig(hidden=16, layers=1, heads=2, ff=32, dropout=0.0, norm="pre")
+# Hidden 32, not 16: at 16 whether 40 steps beat the unigram baseline depended on the init seed;
+# at 32 the margin was >= 0.5 nats for every seed tried on both backends.
+MODEL = ModelConfig(hidden=32, layers=1, heads=2, ff=64, dropout=0.0, norm="pre")
 
 
 def topic_windows(n: int, seed: int) -> np.ndarray:

@@ -1,0 +1,232 @@
+"""Backbone, objective heads and the two pretraining models (train and export).
+
+A task = backbone + head (the KerasHub split). The backbone maps int32 ids
+(B, L) to states (B, L, H) and derives its own padding mask from [PAD]. The
+training model gathers the selected positions *before* the vocabulary
+projection, so the most expensive matmul runs on (B, P) rows, not (B, L). The
+export model (`pretrain_model.keras`) reuses the very same layers on every
+position: ids (B, L) -> logits (B, L, V).
+
+Tying the output projection to the token embedding means a head must refer to
+a layer that lives inside the backbone. A plain functional graph cannot
+serialise such a reference, so both pretraining models are `keras.Model`
+subclasses whose config is (backbone, objective, ...) and which re-link the
+head to the backbone's embedding when rebuilt from config.
+"""
+
+from __future__ import annotations
+
+import keras
+from keras import layers, ops
+
+from selfsup_model.config import ModelConfig
+from selfsup_model.layers import (
+    PaddingMask,
+    TokenAndPositionEmbedding,
+    TransformerEncoderBlock,
+    gelu,
+    truncated_normal_init,
+)
+from selfsup_model.losses import TokenWeightedLoss, safe_divide, weighted_ce_parts
+
+EMBEDDING_LAYER = "embeddings"
+OBJECTIVES = ("mlm", "clm")
+_register = keras.saving.register_keras_serializable(package="selfsup")
+
+
+def build_backbone(vocab_size: int, max_len: int, cfg: ModelConfig, causal: bool = False,
+                   dtype=None) -> keras.Model:
+    """int32 ids (B, L), L <= max_len -> states (B, L, H)."""
+    ids = keras.Input(shape=(None,), dtype="int32", name="input_ids")
+    padding_mask = PaddingMask(name="padding_mask")(ids)  # (B, L) bool
+    x = TokenAndPositionEmbedding(vocab_size, max_len, cfg.hidden, dtype=dtype, name=EMBEDDING_LAYER)(ids)
+    if cfg.norm == "post":
+        x = layers.LayerNormalization(epsilon=1e-6, dtype=dtype, name="embeddings_norm")(x)
+    x = layers.Dropout(cfg.dropout, dtype=dtype, name="embeddings_dropout")(x)
+    for i in range(cfg.layers):
+        x = TransformerEncoderBlock(cfg.hidden, cfg.heads, cfg.ff, dropout=cfg.dropout, norm=cfg.norm,
+                                    causal=causal, dtype=dtype, name=f"block_{i}")(x, padding_mask=padding_mask)
+    if cfg.norm == "pre":
+        # Pre-norm residual streams are never normalised inside the blocks.
+        x = layers.LayerNormalization(epsilon=1e-6, dtype=dtype, name="final_norm")(x)
+    return keras.Model(ids, x, name="causal_backbone" if causal else "backbone")
+
+
+def token_embedding_of(backbone: keras.Model) -> TokenAndPositionEmbedding:
+    return backbone.get_layer(EMBEDDING_LAYER)
+
+
+@_register
+class CausalLMHead(layers.Layer):
+    """states (B, L, H) -> logits (B, L, V): dense + gelu + LayerNorm, then the vocabulary projection.
+
+    With `tie_embeddings` the projection is the token embedding matrix (V, H)
+    transposed plus a bias; the embedding layer is passed in by the owning model
+    (it is not part of this layer's config). Logits are float32 even under a
+    mixed policy so the softmax and the loss are computed at full precision.
+    """
+
+    def __init__(self, vocab_size: int, hidden: int, tie_embeddings: bool = True,
+                 token_embedding: TokenAndPositionEmbedding | None = None, epsilon: float = 1e-6, **kwargs):
+        super().__init__(**kwargs)
+        if tie_embeddings and token_embedding is None:
+            raise ValueError("a tied head needs the backbone's token embedding layer")
+        self.vocab_size, self.hidden = int(vocab_size), int(hidden)
+        self.tie_embeddings, self.epsilon = bool(tie_embeddings), epsilon
+        self.token_embedding = token_embedding if self.tie_embeddings else None
+        dt = self.dtype_policy
+        self.transform = layers.Dense(self.hidden, kernel_initializer=truncated_normal_init(), dtype=dt,
+                                      name="transform")
+        self.transform_norm = layers.LayerNormalization(epsilon=epsilon, dtype=dt, name="transform_norm")
+        self.decoder = None if self.tie_embeddings else layers.Dense(
+            self.vocab_size, use_bias=False, kernel_initializer=truncated_normal_init(), dtype=dt, name="decoder")
+
+    def build(self, input_shape):
+        shape = (None, None, self.hidden)
+        self.transform.build(shape)
+        self.transform_norm.build(shape)
+        if self.decoder is not None:
+            self.decoder.build(shape)
+        self.output_bias = self.add_weight(shape=(self.vocab_size,), initializer="zeros", name="bias")
+        self.built = True
+
+    def project(self, states):
+        """states (B, N, H) -> logits (B, N, V) float32."""
+        h = self.transform_norm(gelu(self.transform(states)))  # (B, N, H)
+        if self.decoder is not None:
+            logits = self.decoder(h)
+        else:
+            matrix = ops.cast(self.token_embedding.embeddings, h.dtype)  # (V, H)
+            logits = ops.matmul(h, ops.transpose(matrix))
+        return ops.cast(logits, "float32") + ops.cast(self.output_bias, "float32")
+
+    def call(self, states):
+        return self.project(states)
+
+    def compute_output_shape(self, input_shape):
+        return (*input_shape[:-1], self.vocab_size)
+
+    def get_config(self):
+        return {**super().get_config(), "vocab_size": self.vocab_size, "hidden": self.hidden,
+                "tie_embeddings": self.tie_embeddings, "epsilon": self.epsilon}
+
+
+@_register
+class MaskedLMHead(CausalLMHead):
+    """states (B, L, H) [+ mask_positions (B, P)] -> logits (B, P, V) [or (B, L, V)].
+
+    The gather happens before the dense/LayerNorm/vocabulary projection: a
+    pretraining step pays for P rows of the (H x V) matmul instead of L.
+    """
+
+    def call(self, states, mask_positions=None):
+        if mask_positions is not None:
+            index = ops.expand_dims(ops.cast(mask_positions, "int32"), -1)  # (B, P, 1)
+            states = ops.take_along_axis(states, index, axis=1)  # (B, P, H)
+        return self.project(states)
+
+    def compute_output_shape(self, states_shape, mask_positions_shape=None):
+        if mask_positions_shape is not None:
+            return (*mask_positions_shape, self.vocab_size)
+        return (*states_shape[:-1], self.vocab_size)
+
+
+def _make_head(objective: str, backbone: keras.Model, tie_embeddings: bool, name: str | None = None):
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+    embedding = token_embedding_of(backbone)
+    cls = MaskedLMHead if objective == "mlm" else CausalLMHead
+    return cls(embedding.vocab_size, embedding.hidden, tie_embeddings=tie_embeddings,
+               token_embedding=embedding, dtype=embedding.dtype_policy, name=name or f"{objective}_head")
+
+
+@_register
+class PretrainingModel(keras.Model):
+    """The model `fit` trains. mlm: {input_ids (B, L), mask_positions (B, P)} -> (B, P, V);
+    clm: {input_ids (B, L-1)} -> (B, L-1, V).
+
+    `compute_loss` returns the token-weighted loss sum(w * ce) / sum(w) with the
+    targets and weights passed to `fit` as (y, sample_weight), so the backend's
+    own train_step does gradients, optimiser, XLA and mixed precision.
+    """
+
+    def __init__(self, backbone: keras.Model, objective: str = "mlm", tie_embeddings: bool = True, **kwargs):
+        head = _make_head(objective, backbone, tie_embeddings)
+        ids = keras.Input(shape=(None,), dtype="int32", name="input_ids")
+        inputs = {"input_ids": ids}
+        states = backbone(ids)  # (B, L, H)
+        if objective == "mlm":
+            positions = keras.Input(shape=(None,), dtype="int32", name="mask_positions")
+            inputs["mask_positions"] = positions
+            logits = head(states, mask_positions=positions)  # (B, P, V)
+        else:
+            logits = head(states)  # (B, L-1, V)
+        super().__init__(inputs=inputs, outputs=logits, **kwargs)
+        self.backbone, self.head = backbone, head
+        self.objective, self.tie_embeddings = objective, bool(tie_embeddings)
+        self.token_loss = TokenWeightedLoss(name=f"{objective}_loss")
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        if sample_weight is None:
+            raise ValueError("pretraining needs per-token weights: fit on (x, targets, weights)")
+        loss_sum, weight_sum = weighted_ce_parts(y, y_pred, sample_weight)
+        self.token_loss.update_state(loss_sum, weight_sum)
+        # A batch with nothing scored gives 0 (no NaN, no gradient); the metric counts it.
+        return safe_divide(loss_sum, weight_sum)
+
+    def get_config(self):
+        return {"backbone": keras.saving.serialize_keras_object(self.backbone),
+                "objective": self.objective, "tie_embeddings": self.tie_embeddings,
+                "name": self.name, "trainable": self.trainable}
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        config["backbone"] = keras.saving.deserialize_keras_object(config["backbone"],
+                                                                   custom_objects=custom_objects)
+        return cls(**config)
+
+
+@_register
+class PretrainExportModel(keras.Model):
+    """`pretrain_model.keras`: ids (B, L) -> logits (B, L, V) on every position, sharing the
+    trained backbone and head objects (no copies of their weights)."""
+
+    def __init__(self, backbone: keras.Model, head: CausalLMHead, objective: str = "mlm", **kwargs):
+        ids = keras.Input(shape=(None,), dtype="int32", name="input_ids")
+        logits = head(backbone(ids))  # (B, L, V)
+        super().__init__(inputs=ids, outputs=logits, **kwargs)
+        self.backbone, self.head, self.objective = backbone, head, objective
+
+    def get_config(self):
+        return {"backbone": keras.saving.serialize_keras_object(self.backbone),
+                "objective": self.objective, "tie_embeddings": self.head.tie_embeddings,
+                "name": self.name, "trainable": self.trainable}
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        backbone = keras.saving.deserialize_keras_object(config.pop("backbone"), custom_objects=custom_objects)
+        head = _make_head(config["objective"], backbone, config.pop("tie_embeddings"))
+        return cls(backbone, head, **config)
+
+
+def build_pretraining_model(backbone: keras.Model, objective: str, cfg: ModelConfig) -> PretrainingModel:
+    """Backbone + a new objective head, ready to compile and fit."""
+    return PretrainingModel(backbone, objective=objective, tie_embeddings=cfg.tie_embeddings,
+                            name=f"{objective}_pretraining")
+
+
+def build_pretrain_export_model(backbone: keras.Model, head: CausalLMHead, objective: str) -> PretrainExportModel:
+    """ids (B, L) -> logits (B, L, V) over the trained layers (see `PretrainExportModel`)."""
+    return PretrainExportModel(backbone, head, objective=objective, name=f"{objective}_pretrain_model")
+
+
+
+def load_keras_model(path) -> keras.Model:
+    """Load an `encoder.keras` / `pretrain_model.keras` / checkpoint with safe_mode=True.
+
+    Importing this module registers every custom class those files name, which
+    a bare `keras.saving.load_model` in a fresh process would not find.
+    """
+    return keras.saving.load_model(path, safe_mode=True)

@@ -1,0 +1,194 @@
+"""The two callbacks of a pretraining run: metric reporting and checkpointing.
+
+`MetricsReporter` turns the running sums of the model's `TokenWeightedLoss`
+metric into a token-weighted loss over the steps since the previous report
+(differences of sums, divided once), runs validation, and hands everything to
+an injected `log_metrics(metrics, step)`. Its state (history, the partly
+filled report window, counters) travels inside each checkpoint, and a small
+journal of reported steps stops a resumed run from reporting a step twice.
+
+`CheckpointSaver` writes the whole training model (weights + optimiser state)
+at the end of every "epoch" (= `checkpoint_every` steps) as
+`ckpt-<step>.keras` via a temp name + `os.replace`, then `latest.json`
+(atomically) naming it, then deletes older checkpoints: a kill at any moment
+leaves a `latest.json` that names a complete file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import keras
+
+from selfsup_model.artifacts import atomic_write_json
+
+LATEST = "latest.json"
+JOURNAL = "reported_steps.txt"
+LogFn = Callable[[dict[str, float], int], None]
+
+
+def save_keras_atomic(model: keras.Model, path: str | os.PathLike) -> Path:
+    """model.save to a temp `.keras` name beside `path`, then os.replace."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}.keras")  # save() insists on .keras
+    try:
+        model.save(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def rng_state(model: keras.Model) -> dict[str, list[int]]:
+    """Dropout seed-generator states by variable path.
+
+    A `.keras` file does not keep them (they are re-drawn on load), so without
+    this a resumed run would draw different dropout masks than an uninterrupted one.
+    """
+    return {v.path: [int(x) for x in keras.ops.convert_to_numpy(v).ravel()]
+            for v in model.non_trainable_variables if "seed_generator_state" in v.path}
+
+
+def restore_rng_state(model: keras.Model, state: dict[str, list[int]]) -> None:
+    for v in model.non_trainable_variables:
+        if v.path in state:
+            v.assign(keras.ops.reshape(keras.ops.convert_to_tensor(state[v.path], dtype=v.dtype), v.shape))
+
+
+def read_checkpoint(directory: str | os.PathLike) -> dict[str, Any] | None:
+    """The latest checkpoint record, or None when absent, unreadable or its file is missing."""
+    directory = Path(directory)
+    try:
+        record = json.loads((directory / LATEST).read_text("utf-8"))
+        path = directory / record["checkpoint"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return {**record, "path": path} if path.is_file() else None
+
+
+def read_journal(directory: str | os.PathLike) -> set[int]:
+    """Steps already handed to log_metrics (an unterminated last line from a kill is ignored)."""
+    try:
+        lines = (Path(directory) / JOURNAL).read_text("utf-8").split("\n")[:-1]
+    except OSError:
+        return set()
+    return {int(line) for line in lines if line.strip().isdigit()}
+
+
+class MetricsReporter(keras.callbacks.Callback):
+    def __init__(self, *, objective: str, steps_per_epoch: int, total_steps: int, tokens_per_step: int,
+                 log_every: int, eval_every: int, evaluate: Callable[[], dict[str, float]],
+                 learning_rate: Callable[[int], float], log_metrics: LogFn | None = None,
+                 journal_dir: str | os.PathLike | None = None, state: dict[str, Any] | None = None):
+        super().__init__()
+        self.objective, self.steps_per_epoch, self.total_steps = objective, steps_per_epoch, total_steps
+        self.tokens_per_step, self.log_every, self.eval_every = tokens_per_step, log_every, eval_every
+        self.evaluate, self.learning_rate, self.log_metrics = evaluate, learning_rate, log_metrics
+        self.journal = Path(journal_dir) / JOURNAL if journal_dir is not None else None
+        self.reported = read_journal(journal_dir) if journal_dir is not None else set()
+        state = state or {}
+        self.history: list[dict[str, float]] = list(state.get("history", []))
+        self.window = dict(state.get("window", {"loss_sum": 0.0, "weight_sum": 0.0}))
+        self.totals = dict(state.get("totals", {"scored_tokens": 0.0, "empty_batches": 0.0,
+                                                "timed_steps": 0, "timed_seconds": 0.0}))
+        self.epoch, self.step = 0, 0
+        self._seen = (0.0, 0.0, 0.0)
+        self._t_prev: float | None = None
+        self._first_batch = True
+
+    def state(self) -> dict[str, Any]:
+        return {"history": self.history, "window": dict(self.window), "totals": dict(self.totals)}
+
+    @property
+    def tokens_per_s(self) -> float:
+        t = self.totals
+        return t["timed_steps"] * self.tokens_per_step / t["timed_seconds"] if t["timed_seconds"] > 0 else 0.0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        # Keras resets metric state at every epoch start: the running sums restart at 0.
+        self.epoch, self._seen = epoch, (0.0, 0.0, 0.0)
+        self._t_prev = time.perf_counter()  # checkpoint time before this is not step time
+
+    def on_train_batch_end(self, batch, logs=None):
+        now = time.perf_counter()
+        if not self._first_batch:  # the first step of a process includes tracing/compilation
+            self.totals["timed_steps"] += 1
+            self.totals["timed_seconds"] += now - self._t_prev
+        self._first_batch = False
+        self.step = self.epoch * self.steps_per_epoch + batch + 1
+        self._accumulate(logs or {})
+        metrics: dict[str, float] = {}
+        if self.step % self.log_every == 0 or self.step == self.total_steps:
+            metrics.update(self._train_metrics())
+        if self.step % self.eval_every == 0 or self.step == self.total_steps:
+            metrics.update(self.run_validation())
+        if metrics:
+            self.emit(self.step, metrics)
+        self._t_prev = time.perf_counter()
+
+    def _accumulate(self, logs: dict[str, Any]) -> None:
+        name = f"{self.objective}_loss"
+        now = (float(logs[f"{name}_sum"]), float(logs["scored_tokens"]), float(logs["empty_batches"]))
+        loss, weight, empty = (a - b for a, b in zip(now, self._seen, strict=True))
+        self._seen = now
+        self.window["loss_sum"] += loss
+        self.window["weight_sum"] += weight
+        self.totals["scored_tokens"] += weight
+        self.totals["empty_batches"] += empty
+
+    def _train_metrics(self) -> dict[str, float]:
+        w = self.window
+        out = {f"train/{self.objective}_loss": w["loss_sum"] / w["weight_sum"]} if w["weight_sum"] > 0 else {}
+        out["train/scored_tokens"] = w["weight_sum"]
+        out["train/empty_batches"] = self.totals["empty_batches"]
+        out["train/learning_rate"] = self.learning_rate(self.step)
+        if self.totals["timed_seconds"] > 0:
+            out["train/tokens_per_s"] = self.tokens_per_s
+        self.window = {"loss_sum": 0.0, "weight_sum": 0.0}
+        return out
+
+    def run_validation(self) -> dict[str, float]:
+        _ = self.model  # under JAX, reading .model syncs the trained state into the layers
+        return self.evaluate()
+
+    def emit(self, step: int, metrics: dict[str, float]) -> None:
+        """Record in the history (one entry per step) and report once per step, ever."""
+        metrics = {k: float(v) for k, v in metrics.items()}
+        if self.history and self.history[-1]["step"] == step:
+            self.history[-1].update(metrics)
+        else:
+            self.history.append({"step": step, **metrics})
+        if self.log_metrics is None or step in self.reported:
+            return
+        self.log_metrics(metrics, step)
+        self.reported.add(step)
+        if self.journal is not None:
+            with open(self.journal, "a", encoding="utf-8") as fh:
+                fh.write(f"{step}\n")
+
+
+class CheckpointSaver(keras.callbacks.Callback):
+    def __init__(self, directory: str | os.PathLike, *, steps_per_epoch: int, total_steps: int,
+                 reporter: MetricsReporter, fingerprint: str):
+        super().__init__()
+        self.directory = Path(directory)
+        self.steps_per_epoch, self.total_steps = steps_per_epoch, total_steps
+        self.reporter, self.fingerprint = reporter, fingerprint
+
+    def on_epoch_end(self, epoch, logs=None):
+        step = min((epoch + 1) * self.steps_per_epoch, self.total_steps)
+        name = f"ckpt-{step:08d}.keras"
+        save_keras_atomic(self.model, self.directory / name)
+        atomic_write_json(self.directory / LATEST, {
+            "checkpoint": name, "step": step, "epoch": epoch, "fingerprint": self.fingerprint,
+            "reporter": self.reporter.state(), "rng": rng_state(self.model), "saved_at": time.time(),
+        })
+        for old in self.directory.glob("ckpt-*.keras"):
+            if old.name != name:
+                old.unlink(missing_ok=True)

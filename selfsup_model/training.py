@@ -1,0 +1,264 @@
+"""Pretraining: `model.fit` over step-addressed batches, with exact kill-and-resume.
+
+The backend's own train_step does gradients, AdamW, XLA and mixed precision;
+only `compute_loss` is ours (the token-weighted loss, see `PretrainingModel`).
+The run is cut into "epochs" of `checkpoint_every` steps over one persistent
+data iterator, so a checkpoint lands at every epoch end and a resumed run is
+`fit(initial_epoch=...)` over the same step-addressed batches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import keras
+import numpy as np
+from keras import ops
+
+from selfsup_model.artifacts import atomic_path, atomic_write_json, sha256_json
+from selfsup_model.config import MaskingConfig, ModelConfig, PretrainConfig
+from selfsup_model.errors import UserError
+from selfsup_model.evaluation import evaluate_masked_lm, validation_metrics, validation_unigram_loss
+from selfsup_model.model import (
+    build_backbone,
+    build_pretrain_export_model,
+    build_pretraining_model,
+    load_keras_model,
+)
+from selfsup_model.pretrain_callbacks import (
+    JOURNAL,
+    LATEST,
+    CheckpointSaver,
+    LogFn,
+    MetricsReporter,
+    read_checkpoint,
+    restore_rng_state,
+    save_keras_atomic,
+)
+from selfsup_model.pretrain_data import (
+    PretrainBatches,
+    budget_steps,
+    check_windows,
+    unigram_log_probs,
+)
+
+__all__ = ["PretrainResult", "WarmupDecay", "build_optimizer", "evaluate_masked_lm", "pretrain"]
+_register = keras.saving.register_keras_serializable(package="selfsup")
+NO_DECAY = ("bias", "gamma", "beta", "embeddings")  # variable names: LayerNorm, biases, embeddings
+
+
+@_register
+class WarmupDecay(keras.optimizers.schedules.LearningRateSchedule):
+    """Linear warmup to `peak` over `warmup_steps`, then cosine or linear decay to 0 at `total_steps`.
+
+    Keras passes the number of updates already applied, so update k (0-based)
+    uses schedule(k): the first warmup update has a nonzero rate.
+    """
+
+    def __init__(self, peak: float, warmup_steps: int, total_steps: int, decay: str = "cosine"):
+        if decay not in ("cosine", "linear"):
+            raise ValueError(f"decay must be 'cosine' or 'linear', got {decay!r}")
+        self.peak, self.warmup_steps, self.total_steps, self.decay = peak, warmup_steps, total_steps, decay
+
+    def __call__(self, step):
+        step = ops.cast(step, "float32") + 1.0
+        warm = self.peak * step / max(self.warmup_steps, 1)
+        span = max(self.total_steps - self.warmup_steps, 1)
+        progress = ops.clip((step - self.warmup_steps) / span, 0.0, 1.0)
+        if self.decay == "cosine":
+            decayed = 0.5 * self.peak * (1.0 + ops.cos(math.pi * progress))
+        else:
+            decayed = self.peak * (1.0 - progress)
+        return ops.where(step <= self.warmup_steps, warm, decayed)
+
+    def get_config(self):
+        return {"peak": self.peak, "warmup_steps": self.warmup_steps,
+                "total_steps": self.total_steps, "decay": self.decay}
+
+
+@_register
+class SelectiveAdamW(keras.optimizers.AdamW):
+    """AdamW that never decays variables whose name contains one of `no_decay`.
+
+    The exclusion is part of the config, so an optimiser restored from a
+    checkpoint keeps it (Keras' own exclusion is a method call that is lost).
+    """
+
+    def __init__(self, *args, no_decay: tuple[str, ...] | list[str] = NO_DECAY, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.no_decay = tuple(no_decay)
+        self.exclude_from_weight_decay(var_names=list(self.no_decay))
+
+    def get_config(self):
+        return {**super().get_config(), "no_decay": list(self.no_decay)}
+
+
+def build_schedule(cfg: PretrainConfig, total_steps: int) -> WarmupDecay:
+    return WarmupDecay(cfg.learning_rate, min(cfg.warmup_steps, total_steps), total_steps)
+
+
+def build_optimizer(cfg: PretrainConfig, total_steps: int) -> SelectiveAdamW:
+    return SelectiveAdamW(learning_rate=build_schedule(cfg, total_steps), weight_decay=cfg.weight_decay, global_clipnorm=cfg.clip_norm)
+
+
+def gpu_available() -> bool:
+    return any(d.lower().startswith("gpu") for d in keras.distribution.list_devices())
+
+
+def resolve_precision(setting: str) -> str:
+    """Dtype policy name; 'auto' is mixed bfloat16 on a GPU and float32 on CPU."""
+    if setting == "bf16" or (setting == "auto" and gpu_available()):
+        return "mixed_bfloat16"
+    return "float32"
+
+
+def resolve_jit(setting: str) -> bool:
+    """'auto': XLA on a GPU, and always under JAX (un-jitted JAX runs op by op)."""
+    if setting != "auto":
+        return setting == "on"
+    return keras.backend.backend() == "jax" or gpu_available()
+
+
+@dataclasses.dataclass(frozen=True)
+class PretrainResult:
+    steps: int
+    tokens_seen: int  # input positions fed (steps * batch * max_len), padding included
+    scored_tokens: float  # predictions that counted in the loss
+    tokens_per_s: float  # of this process's steps after the first (compile excluded)
+    empty_batches: int  # batches with nothing scored (loss 0, counted)
+    resumed_from_step: int
+    val_metrics: dict[str, float]
+    unigram_baseline_loss: float
+    encoder_path: Path
+    pretrain_model_path: Path
+    history_path: Path
+    loss_curve_path: Path
+    checkpoint_dir: Path
+
+
+def pretrain(train_windows, val_masks, vocab_size: int, model_cfg: ModelConfig, pretrain_cfg: PretrainConfig,
+             masking_cfg: MaskingConfig, out_dir, log_metrics: LogFn | None = None,
+             progress: bool = True) -> PretrainResult:
+    """Pretrain an encoder on (n, max_len) windows, resuming from `out_dir/checkpoints` if present."""
+    check_windows(train_windows, vocab_size)
+    out_dir, obj, cfg = Path(out_dir), pretrain_cfg.objective, pretrain_cfg
+    _check_val_masks(val_masks, int(train_windows.shape[1]))
+    ckpt_dir = out_dir / "checkpoints"
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    max_len = int(train_windows.shape[1])
+    total = budget_steps(cfg, max_len)
+    per_epoch = min(cfg.checkpoint_every, total)
+    fingerprint = sha256_json({"model": model_cfg.model_dump(), "pretrain": cfg.model_dump(),
+                               "masks": masking_cfg.model_dump(), "vocab_size": vocab_size,
+                               "windows": list(train_windows.shape)})
+
+    record = read_checkpoint(ckpt_dir)
+    if record is not None and record.get("fingerprint") != fingerprint:
+        record = None  # another configuration's checkpoint: never resume from it
+    if record is None:
+        for stale in [*ckpt_dir.glob("ckpt-*.keras"), ckpt_dir / LATEST, ckpt_dir / JOURNAL]:
+            stale.unlink(missing_ok=True)
+        model = _fresh_model(vocab_size, max_len, model_cfg, cfg, total)
+        start_step, initial_epoch, state = 0, 0, None
+    else:
+        model = load_keras_model(record["path"])  # safe_mode=True
+        restore_rng_state(model, record.get("rng", {}))
+        start_step, initial_epoch, state = record["step"], record["epoch"] + 1, record["reporter"]
+
+    export_model = build_pretrain_export_model(model.backbone, model.head, obj)
+    log_probs = unigram_log_probs(train_windows, vocab_size, obj)
+    baseline = validation_unigram_loss(log_probs, obj, val_masks)
+
+    def evaluate() -> dict[str, float]:
+        return {**validation_metrics(export_model, obj, val_masks, cfg.batch_size),
+                "val/unigram_baseline_loss": baseline}
+
+    schedule = build_schedule(cfg, total)  # the optimiser's own (same config: same fingerprint)
+    reporter = MetricsReporter(
+        objective=obj, steps_per_epoch=per_epoch, total_steps=total, tokens_per_step=cfg.batch_size * max_len,
+        log_every=cfg.log_every, eval_every=cfg.eval_every, evaluate=evaluate,
+        learning_rate=lambda step: float(ops.convert_to_numpy(schedule(step - 1))),
+        log_metrics=log_metrics, journal_dir=ckpt_dir, state=state)
+    saver = CheckpointSaver(ckpt_dir, steps_per_epoch=per_epoch, total_steps=total, reporter=reporter,
+                            fingerprint=fingerprint)
+    if start_step < total:
+        data = PretrainBatches(train_windows, objective=obj, batch_size=cfg.batch_size, total_steps=total,
+                               seed=cfg.seed, masking=masking_cfg, vocab_size=vocab_size,
+                               static_masks=cfg.static_train_masks, start_step=start_step)
+        verbose = (1 if sys.stdout.isatty() else 2) if progress else 0
+        with warnings.catch_warnings():
+            # The last epoch is shorter when checkpoint_every does not divide the budget;
+            # Keras warns that the data "ran out", which is exactly the plan.
+            warnings.filterwarnings("ignore", message="Your input ran out of data")
+            # shuffle=False: Keras would otherwise permute a PyDataset's batch indices, and
+            # index i must stay global step start_step + i (the order is shuffled per pass inside).
+            model.fit(data, epochs=math.ceil(total / per_epoch), steps_per_epoch=per_epoch,
+                      initial_epoch=initial_epoch, callbacks=[reporter, saver], verbose=verbose,
+                      shuffle=False)
+
+    if not reporter.history or reporter.history[-1]["step"] != total or not _has_val(reporter.history[-1]):
+        reporter.emit(total, evaluate())  # e.g. resumed from the final checkpoint
+    return _write_outputs(out_dir, model, export_model, reporter, total, start_step, cfg, max_len, baseline)
+
+
+def _check_val_masks(val_masks, max_len: int) -> None:
+    ids = val_masks.get("input_ids") if hasattr(val_masks, "get") else None
+    if ids is None or np.ndim(ids) != 2 or len(ids) == 0:
+        raise UserError("validation masks need a non-empty (n, L) 'input_ids' array; rerun the masks stage")
+    if ids.shape[1] > max_len:
+        raise UserError(f"validation windows are {ids.shape[1]} tokens but training windows {max_len}; "
+                        "encode both splits with the same encode.max_len")
+
+
+def _fresh_model(vocab_size: int, max_len: int, model_cfg: ModelConfig, cfg: PretrainConfig, total: int):
+    keras.utils.set_random_seed(cfg.seed)
+    backbone = build_backbone(vocab_size, max_len, model_cfg, causal=cfg.objective == "clm",
+                              dtype=resolve_precision(cfg.mixed_precision))
+    model = build_pretraining_model(backbone, cfg.objective, model_cfg)
+    model.compile(optimizer=build_optimizer(cfg, total), jit_compile=resolve_jit(cfg.jit))
+    return model
+
+
+def _has_val(entry: dict[str, Any]) -> bool:
+    return any(k.startswith("val/") and k != "val/unigram_baseline_loss" for k in entry)
+
+
+def _write_outputs(out_dir: Path, model, export_model, reporter: MetricsReporter, total: int,
+                   start_step: int, cfg: PretrainConfig, max_len: int, baseline: float) -> PretrainResult:
+    encoder_path = save_keras_atomic(model.backbone, out_dir / "encoder.keras")
+    export_path = save_keras_atomic(export_model, out_dir / "pretrain_model.keras")
+    history_path = atomic_write_json(out_dir / "history.json", reporter.history)
+    curve_path = plot_loss_curve(reporter.history, cfg.objective, out_dir / "loss_curve.png")
+    final = reporter.history[-1]
+    return PretrainResult(
+        steps=total, tokens_seen=total * cfg.batch_size * max_len,
+        scored_tokens=reporter.totals["scored_tokens"], tokens_per_s=reporter.tokens_per_s,
+        empty_batches=int(reporter.totals["empty_batches"]), resumed_from_step=start_step,
+        val_metrics={k: v for k, v in final.items() if k.startswith("val/")},
+        unigram_baseline_loss=baseline, encoder_path=encoder_path, pretrain_model_path=export_path,
+        history_path=history_path, loss_curve_path=curve_path, checkpoint_dir=out_dir / "checkpoints",
+    )
+
+
+def plot_loss_curve(history: list[dict[str, float]], objective: str, path) -> Path:
+    """Train and validation loss against step, written atomically (no pyplot state)."""
+    from matplotlib.figure import Figure  # Agg canvas; never touches a display
+
+    fig = Figure(figsize=(6, 4), dpi=100)
+    ax = fig.add_subplot()
+    for key, style in ((f"train/{objective}_loss", "-"), (f"val/{objective}_loss", "o-"),
+                       ("val/unigram_baseline_loss", ":")):
+        points = [(h["step"], h[key]) for h in history if key in h and np.isfinite(h[key])]
+        if points:
+            ax.plot(*zip(*points, strict=True), style, label=key)
+    ax.set_xlabel("step")
+    ax.set_ylabel("token-weighted cross-entropy (nats)")
+    ax.legend()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png")
+    return Path(path)
