@@ -127,12 +127,33 @@ def _cmd_ui(args: argparse.Namespace) -> int:
     return subprocess.call(cmd)
 
 
+class _CurrentStderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is now (not the one at start-up), so redirections are honoured."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value):
+        pass
+
+
+def _configure_logging() -> None:
+    root = logging.getLogger()
+    if not any(isinstance(h, _CurrentStderrHandler) for h in root.handlers):
+        handler = _CurrentStderrHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S"))
+        root.addHandler(handler)
+    root.setLevel(logging.INFO)
+
+
 COMMANDS = {"run": _cmd_run, "stages": _cmd_stages, "report": _cmd_report, "ui": _cmd_ui}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
+    _configure_logging()
     for noisy in ("httpx", "httpcore", "alembic", "mlflow.store"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:

@@ -11,8 +11,48 @@ os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 import logging
+import sys
 
 import pytest
+
+
+class _CurrentStderr:
+    """A stream that writes to whatever sys.stderr is at the moment of writing."""
+
+    encoding = "utf-8"
+
+    def write(self, text):
+        return sys.stderr.write(text)
+
+    def flush(self):
+        sys.stderr.flush()
+
+    def isatty(self):
+        return False
+
+
+def _prefect_console_follows_current_stderr():
+    """Prefect's console handlers keep the stream they were built with; under pytest that can be one
+    test's capture buffer, closed by the next test. Point existing and future ones at the current
+    sys.stderr instead."""
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    stream = _CurrentStderr()
+    if not getattr(PrefectConsoleHandler, "_follows_stderr", False):
+        original_init = PrefectConsoleHandler.__init__
+
+        def __init__(self, stream=None, *args, **kwargs):  # noqa: N807 - patched constructor
+            original_init(self, _CurrentStderr(), *args, **kwargs)
+
+        PrefectConsoleHandler.__init__ = __init__
+        PrefectConsoleHandler._follows_stderr = True
+    loggers = [logging.getLogger(), *(v for v in logging.Logger.manager.loggerDict.values()
+                                      if isinstance(v, logging.Logger))]
+    for logger in loggers:
+        for handler in logger.handlers:
+            if isinstance(handler, PrefectConsoleHandler):
+                handler.stream = stream
+                handler.console.file = stream
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -23,7 +63,9 @@ def prefect_harness():
     """
     from prefect.testing.utilities import prefect_test_harness
 
+    _prefect_console_follows_current_stderr()
     with prefect_test_harness(server_startup_timeout=120):
+        _prefect_console_follows_current_stderr()
         yield
         # pytest has closed the captured streams by now; the server's goodbye line would crash logging
         logging.getLogger("prefect").setLevel(logging.WARNING)

@@ -41,3 +41,14 @@ def test_console_script_help_lists_commands():
     out = subprocess.run([sys.executable, "-m", "flows.cli", "--help"], capture_output=True, text=True, check=True)
     for command in ("run", "stages", "report", "ui"):
         assert command in out.stdout
+
+
+def test_stages_lists_status_in_order(tiny_run, capsys):
+    wd, _, _ = tiny_run
+    assert main(["stages", "--preset", "tiny", "--workdir", str(wd)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines][:3] == ["ingest", "dedup", "split"]
+    assert all(line.split()[1] == "up-to-date" for line in lines), lines
+    assert main(["stages", "--preset", "tiny", "--workdir", str(wd), "--set", "masks.seed=9"]) == 0
+    status = {line.split()[0]: line.split()[1] for line in capsys.readouterr().out.splitlines()}
+    assert status["masks"] == "stale" and status["encode"] == "up-to-date"
