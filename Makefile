@@ -1,21 +1,24 @@
 # Two commands do everything on a fresh machine with Python 3.11:
 #   make demo   set up .venv and run the full pipeline on the embedded corpus (preset demo)
 #   make test   set up .venv and run the test suite
-PYTHON ?= python3.11
-VENV   := .venv
-BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed
+PYTHON  ?= python3.11
+VENV    := .venv
+BIN     := $(VENV)/bin
 WORKDIR ?= data/runs/default
+# CI adds the sentence-embedding baseline: make test EXTRAS=dev,embeddings
+EXTRAS  ?= dev
+comma   := ,
+STAMP   := $(VENV)/.installed-$(subst $(comma),-,$(strip $(EXTRAS)))
 
 .PHONY: install demo test lint clean bench
 
 install: $(STAMP)
 
-# Reinstall whenever pyproject.toml changes; pip resolves only what is missing.
+# Reinstall whenever pyproject.toml or the requested extras change; pip resolves only what is missing.
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	$(BIN)/python -m pip install --quiet -e ".[$(strip $(EXTRAS))]"
 	@touch $(STAMP)
 
 demo: install

@@ -172,6 +172,13 @@ class BaselineConfig(_Section):
     tfidf_ngram_max: tuple[int, ...] = (1, 2)
     random_init: bool = True
     majority: bool = True
+    bag_of_embeddings: bool = True
+    bag_dim: int = Field(64, ge=1)
+    bag_learning_rate: float = Field(1e-2, gt=0.0, description="A bag of embeddings learns slowly at the head's rate.")
+    sentence_embeddings: Literal["auto", "on", "off"] = Field(
+        "auto", description="auto: run when the `embeddings` extra is installed; on: fail without it.")
+    sentence_c: tuple[float, ...] = (0.1, 1.0, 10.0, 100.0)
+    embed_batch_size: int = Field(64, ge=1)
 
 
 class CompareConfig(_Section):
@@ -199,7 +206,7 @@ class PipelineConfig(_Section):
 PRESETS: dict[str, dict[str, Any]] = {
     # Seconds per stage on 2 cores: for tests and CI.
     "tiny": {
-        "ingest": {"min_chars": 20, "pydocs_libraries": ["json", "email"], "pydocs_max_per_library": 150},
+        "ingest": {"min_chars": 20, "pydocs_libraries": ["email", "xml", "unittest"], "pydocs_max_per_library": 100},
         "dedup": {"num_perm": 64},
         "tokenizer": {"vocab_size": 300, "min_frequency": 1},
         "encode": {"max_len": 32, "overlap": 8, "max_windows_per_doc": 2},
@@ -208,7 +215,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "pretrain": {"batch_size": 8, "steps": 12, "warmup_steps": 2, "log_every": 4,
                       "eval_every": 6, "checkpoint_every": 6},
         "finetune": {"fractions": [0.5, 1.0], "epochs": 2, "batch_size": 16, "patience": 1},
-        "baseline": {"tfidf_c": [1.0], "tfidf_ngram_max": [1]},
+        "baseline": {"tfidf_c": [1.0], "tfidf_ngram_max": [1], "bag_dim": 16, "sentence_c": [1.0]},
         "compare": {"bootstrap": 50},
     },
     # The default: the whole pipeline on the embedded corpus in <= 15 minutes on 2 CPU cores.
@@ -218,8 +225,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "encode": {"max_len": 128, "max_windows_per_doc": 4},
         "model": {"hidden": 128, "layers": 2, "heads": 4, "ff": 512},
         "pretrain": {"batch_size": 32, "steps": 1500, "learning_rate": 1e-3, "warmup_steps": 100,
-                      "log_every": 50, "eval_every": 250, "checkpoint_every": 250},
-        "finetune": {"epochs": 4},
+                      "log_every": 50, "eval_every": 250, "checkpoint_every": 250, "jit": "on"},
+        "finetune": {"epochs": 3, "batch_size": 64},
     },
     # GPU scale.
     "base": {

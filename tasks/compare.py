@@ -37,7 +37,8 @@ def _training_summaries(inputs: dict[str, Path]) -> dict[tuple[str, float], dict
 
 
 def report_context(ctx: RunContext, inputs: dict[str, Path], n_test: int) -> dict:
-    """The numbers a reader needs beside the table: corpus, pretraining and audit."""
+    """The numbers a reader needs beside the table: corpus, pretraining, audit, methods not run."""
+    unavailable = json.loads(inputs["baseline/results.json"].read_text()).get("unavailable", {})
     pre = read_manifest(ctx.stage_dir("pretrain"))
     enc = read_manifest(ctx.stage_dir("encode"))
     audit = json.loads(inputs["split/audit.json"].read_text())["audit"]
@@ -50,6 +51,7 @@ def report_context(ctx: RunContext, inputs: dict[str, Path], n_test: int) -> dic
         "final validation loss": {k: round(v, 4) for k, v in pre.metrics.items() if k.startswith("val/")},
         "leakage audit": "passed (no near-duplicates or groups across splits)" if audit.get("passed")
                          else f"FAILED: {audit.get('message')}",
+        **{f"not run: {method}": reason for method, reason in sorted(unavailable.items())},
     }
 
 
