@@ -140,12 +140,18 @@ class _CurrentStderrHandler(logging.StreamHandler):
 
 
 def _configure_logging() -> None:
-    root = logging.getLogger()
-    if not any(isinstance(h, _CurrentStderrHandler) for h in root.handlers):
+    """selfsup's own progress lines on the terminal.
+
+    Prefect sends the "selfsup" logger to its API (PREFECT_LOGGING_EXTRA_LOGGERS) without propagating
+    it, so the console handler is attached to that logger itself, not to the root.
+    """
+    ours = logging.getLogger("selfsup")
+    if not any(isinstance(h, _CurrentStderrHandler) for h in ours.handlers):
         handler = _CurrentStderrHandler()
         handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S"))
-        root.addHandler(handler)
-    root.setLevel(logging.INFO)
+        ours.addHandler(handler)
+    ours.setLevel(logging.INFO)
+    ours.propagate = False  # the handler above prints it; the root would print it twice
 
 
 COMMANDS = {"run": _cmd_run, "stages": _cmd_stages, "report": _cmd_report, "ui": _cmd_ui}

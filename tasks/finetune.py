@@ -5,13 +5,13 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-import keras
 import pandas as pd
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from selfsup_model.artifacts import atomic_write_json
 from selfsup_model.classify import stratified_subset, train_classifier
+from selfsup_model.model import load_keras_model
 from selfsup_model.pretrain_callbacks import save_keras_atomic
 from selfsup_model.report import PREDICTION_COLUMNS
 from tasks.io import write_parquet
@@ -58,7 +58,7 @@ def compute(ctx: RunContext, out: Path, inputs: dict[str, Path]) -> StageOutput:
     encoder_path = inputs["pretrain/encoder.keras"]
 
     def pretrained():  # a fresh copy per run: full fine-tuning changes the weights it is given
-        return keras.saving.load_model(encoder_path, safe_mode=True)
+        return load_keras_model(encoder_path)  # safe_mode=True, our layers registered
 
     methods = {f"pretrained_{mode}": (mode, pretrained) for mode in ctx.config.finetune.modes}
     rows, summaries, last = [], [], None

@@ -4,6 +4,7 @@ import json
 
 import numpy as np
 import pandas as pd
+import pytest
 from mlflow.tracking import MlflowClient
 
 from flows.pipeline import run_pipeline
@@ -87,3 +88,44 @@ def test_mlflow_has_one_parent_and_a_child_per_stage(tiny_run):
     manifests = [a.path for a in client.list_artifacts(children[0].info.run_id, "manifests")]
     assert manifests == ["manifests/manifest.json"]
     assert json.loads((wd / "ingest" / "manifest.json").read_text())["stage"] == "ingest"
+
+
+def test_report_is_recomputable_and_lists_every_method(tiny_run):
+    from selfsup_model.embedding_baselines import sentence_embedding_status
+    from selfsup_model.report import recompute_results
+
+    wd, _, _ = tiny_run
+    report = json.loads((wd / "compare" / "report.json").read_text())
+    predictions = pd.read_parquet(wd / "compare" / "predictions.parquet")
+    assert set(predictions.columns) >= {"id", "method", "fraction", "label", "prediction"}
+    test_ids = set(pd.read_parquet(wd / "split" / "assignments.parquet").query("split == 'test'")["id"])
+    assert set(predictions["id"]) <= test_ids  # only the test split is ever scored
+    again = {(r["method"], r["fraction"]): r for r in recompute_results(predictions, 50, 5)}
+    for row in report["results"]:
+        fresh = again[(row["method"], row["fraction"])]
+        assert row["test_macro_f1"] == pytest.approx(fresh["test_macro_f1"])
+        assert row["test_accuracy"] == pytest.approx(fresh["test_accuracy"])
+    methods = {r["method"] for r in report["results"]}
+    assert {"pretrained_probe", "pretrained_full", "random_init", "tfidf_logreg", "majority",
+            "bag_of_embeddings"} <= methods
+    installed, _ = sentence_embedding_status()
+    if installed:
+        assert "sentence_minilm_probe" in methods
+    else:
+        assert "not run: sentence_minilm_probe" in report["context"]
+    assert {r["fraction"] for r in report["results"]} == {0.5, 1.0}
+    for png in ("macro_f1_vs_fraction.png", "confusion_best.png", "pretrain_loss_curve.png"):
+        assert (wd / "compare" / png).stat().st_size > 1000
+
+
+def test_pretraining_reads_only_the_training_split_and_its_loss_is_recomputable(tiny_run):
+    from selfsup_model.evaluation import evaluate_masked_lm
+    from selfsup_model.model import load_keras_model
+
+    wd, _, _ = tiny_run
+    manifest = read_manifest(wd / "pretrain")
+    assert [k for k in manifest.inputs if "windows" in k] == ["encode/train_windows.npy"]
+    model = load_keras_model(wd / "pretrain" / "pretrain_model.keras")
+    val = evaluate_masked_lm(model, load_masks(wd / "masks" / "val_masks.npz"), batch_size=16)
+    assert val["loss"] == pytest.approx(manifest.metrics["val/mlm_loss"], abs=1e-5)
+    assert val["scored_tokens"] == manifest.metrics["val/scored_tokens"]
