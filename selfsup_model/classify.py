@@ -20,6 +20,7 @@ an input here: `eval_sets` are token ids only, predicted once, after selection.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Literal
@@ -36,6 +37,8 @@ from selfsup_model.specials import PAD_ID
 Mode = Literal["probe", "full", "scratch"]
 MODES: tuple[str, ...] = ("probe", "full", "scratch")
 POOLINGS: tuple[str, ...] = ("mean", "cls")
+
+log = logging.getLogger("selfsup.classify")
 
 
 @keras.saving.register_keras_serializable(package="selfsup")
@@ -313,6 +316,7 @@ def _fit_with_selection(model, train_ids, train_y, val_ids, val_y, cfg: Finetune
             "val_macro_f1": f1,
             "val_accuracy": accuracy(val_y, val_pred),
         })
+        log.info("epoch %d/%d: loss %.4f, val macro-F1 %.4f", epoch, cfg.epochs, history[-1]["loss"], f1)
         if f1 > best_f1:  # strict: on a tie the earlier (cheaper) epoch stays
             best_f1, best_epoch, best_weights = f1, epoch, model.get_weights()
         elif epoch - best_epoch >= cfg.patience:
