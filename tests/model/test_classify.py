@@ -19,6 +19,7 @@ from selfsup_model.errors import UserError
 from selfsup_model.metrics import macro_f1
 from selfsup_model.model import build_backbone
 from selfsup_model.specials import CLS_ID, PAD_ID, SEP_ID
+from tests.model.toy import make_docs
 
 VOCAB, MAX_LEN, HIDDEN = 20, 8, 8
 CFG = FinetuneConfig(epochs=2, batch_size=8, patience=1, dropout=0.0)
@@ -27,19 +28,6 @@ CFG = FinetuneConfig(epochs=2, batch_size=8, patience=1, dropout=0.0)
 def tiny_backbone() -> keras.Model:
     """The real encoder at test size: int32 ids (B, L) -> states (B, L, H)."""
     return build_backbone(VOCAB, MAX_LEN, ModelConfig(hidden=HIDDEN, layers=1, heads=2, ff=16, dropout=0.0))
-
-
-def make_docs(n, seed):
-    """[CLS] w.. [SEP] [PAD].. where class 0 draws words 7..12 and class 1 words 13..18."""
-    rng = np.random.default_rng(seed)
-    y = np.arange(n) % 2
-    ids = np.full((n, MAX_LEN), PAD_ID, np.int32)
-    for i in range(n):
-        length = rng.integers(1, MAX_LEN - 1)
-        ids[i, 0] = CLS_ID
-        ids[i, 1 : length + 1] = rng.integers(7, 13, length) + 6 * y[i]
-        ids[i, length + 1] = SEP_ID
-    return ids, y
 
 
 @pytest.fixture(scope="module")

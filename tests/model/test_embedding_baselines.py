@@ -20,21 +20,9 @@ from selfsup_model.embedding_baselines import (
 from selfsup_model.errors import UserError
 from selfsup_model.metrics import accuracy
 from selfsup_model.specials import CLS_ID, PAD_ID, SEP_ID
+from tests.model.toy import make_docs
 
 VOCAB, MAX_LEN, DIM = 20, 8, 8
-
-
-def make_docs(n, seed):
-    """[CLS] w.. [SEP] [PAD].. where class 0 draws words 7..12 and class 1 words 13..18."""
-    rng = np.random.default_rng(seed)
-    y = np.arange(n) % 2
-    ids = np.full((n, MAX_LEN), PAD_ID, np.int32)
-    for i in range(n):
-        length = rng.integers(1, MAX_LEN - 1)
-        ids[i, 0] = CLS_ID
-        ids[i, 1 : length + 1] = rng.integers(7, 13, length) + 6 * y[i]
-        ids[i, length + 1] = SEP_ID
-    return ids, y
 
 
 @pytest.fixture(scope="module")
