@@ -150,6 +150,8 @@ class PretrainConfig(_Section):
 
 class FinetuneConfig(_Section):
     fractions: tuple[float, ...] = (0.05, 0.25, 1.0)
+    max_len: int | None = Field(
+        None, ge=4, description="Classify on each document's first max_len tokens (None: the whole first window).")
     modes: tuple[Literal["probe", "full"], ...] = ("probe", "full")
     pooling: Literal["mean", "cls"] = "mean"
     epochs: int = Field(8, ge=1)
@@ -220,13 +222,13 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     # The default: the whole pipeline on the embedded corpus in <= 15 minutes on 2 CPU cores.
     "demo": {
-        "ingest": {"pydocs_max_per_library": 2500},
+        "ingest": {"pydocs_max_per_library": 1500},
         "tokenizer": {"vocab_size": 4096},
         "encode": {"max_len": 128, "max_windows_per_doc": 4},
         "model": {"hidden": 128, "layers": 2, "heads": 4, "ff": 512},
         "pretrain": {"batch_size": 32, "steps": 1500, "learning_rate": 1e-3, "warmup_steps": 100,
                       "log_every": 50, "eval_every": 250, "checkpoint_every": 250, "jit": "on"},
-        "finetune": {"epochs": 3, "batch_size": 64},
+        "finetune": {"epochs": 3, "batch_size": 64, "max_len": 64},
     },
     # GPU scale.
     "base": {

@@ -130,7 +130,7 @@ def sentence_baseline(data: LabelledData, texts: pd.Series, ctx: RunContext) -> 
 
 
 def compute(ctx: RunContext, out: Path, inputs: dict[str, Path]) -> StageOutput:
-    data = load_labelled(inputs)
+    data = load_labelled(inputs, ctx.config.finetune.max_len)
     if data is None:
         return write_skipped(out, "the corpus has fewer than two labels in the training split")
     texts = read_parquet(inputs["ingest/documents.parquet"], ["id", "text"]).set_index("id")["text"]

@@ -51,6 +51,10 @@ def report_context(ctx: RunContext, inputs: dict[str, Path], n_test: int) -> dic
         "final validation loss": {k: round(v, 4) for k, v in pre.metrics.items() if k.startswith("val/")},
         "leakage audit": "passed (no near-duplicates or groups across splits)" if audit.get("passed")
                          else f"FAILED: {audit.get('message')}",
+        "what each method reads": (
+            f"neural methods: each document's first {ctx.config.finetune.max_len or ctx.config.encode.max_len} "
+            "tokens; TF-IDF and sentence embeddings: the document text (the sentence model truncates at its own "
+            "limit)"),
         **{f"not run: {method}": reason for method, reason in sorted(unavailable.items())},
     }
 

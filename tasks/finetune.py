@@ -52,7 +52,7 @@ def write_skipped(out: Path, reason: str) -> StageOutput:
 
 
 def compute(ctx: RunContext, out: Path, inputs: dict[str, Path]) -> StageOutput:
-    data = load_labelled(inputs)
+    data = load_labelled(inputs, ctx.config.finetune.max_len)
     if data is None:
         return write_skipped(out, "the corpus has fewer than two labels in the training split")
     encoder_path = inputs["pretrain/encoder.keras"]

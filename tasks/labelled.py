@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
+from selfsup_model.specials import PAD_ID, SEP_ID
 from selfsup_model.splitting import SPLITS
 from tasks.io import read_parquet
 
@@ -41,7 +42,17 @@ class LabelledData:
         return np.array([index.get(label, -1) for label in self.splits[split].labels], dtype=np.int64)
 
 
-def load_labelled(inputs: dict[str, Path]) -> LabelledData | None:
+def truncate_windows(windows: np.ndarray, max_len: int | None) -> np.ndarray:
+    """First `max_len` positions of [CLS] ... [SEP] rows; a row cut short ends in [SEP] again."""
+    if max_len is None or max_len >= windows.shape[1]:
+        return windows
+    out = np.array(windows[:, :max_len])  # (n, max_len)
+    cut = out[:, -1] != PAD_ID
+    out[cut, -1] = SEP_ID
+    return out
+
+
+def load_labelled(inputs: dict[str, Path], max_len: int | None = None) -> LabelledData | None:
     """Labelled documents per split, or None (with the reason logged) when there is nothing to classify."""
     splits, counts = {}, {}
     for split in SPLITS:
@@ -49,7 +60,7 @@ def load_labelled(inputs: dict[str, Path]) -> LabelledData | None:
         offsets = np.load(inputs[f"encode/{split}_doc_offsets.npy"], allow_pickle=False)
         windows = np.load(inputs[f"encode/{split}_windows.npy"], mmap_mode="r", allow_pickle=False)
         has_label = docs["label"].notna().to_numpy()
-        first = np.asarray(windows[offsets[:-1][has_label]], dtype=np.int32)
+        first = truncate_windows(np.asarray(windows[offsets[:-1][has_label]], dtype=np.int32), max_len)
         splits[split] = LabelledSplit(docs["id"].to_numpy(str)[has_label],
                                       docs["label"].to_numpy(str)[has_label], first)
         counts[f"{split}_labelled"] = int(has_label.sum())
