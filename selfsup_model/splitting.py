@@ -31,16 +31,20 @@ from selfsup_model.minhash import (
     Progress,
     candidate_pairs,
     cross_candidate_pairs,
+    lsh_params,
     verify_candidates,
 )
 
 SPLITS = ("train", "val", "test")
 ASSIGNMENT_COLUMNS = ("id", "split", "cluster_id", "unit_id", "group")
 _MAX_EXAMPLES = 10
-# Unit building weighs LSH misses 19:1 against extra candidates (minhash.MISS_WEIGHT); the audit
-# weighs them 99:1, which at a 0.5 threshold and 128 permutations means 39 bands of 3 rows
-# (a J=0.5 pair is a candidate with probability 0.995, against 0.969 for unit building).
-AUDIT_MISS_WEIGHT = 0.99
+# Related pairs decide the split, so unit building weighs LSH misses 99:1 against extra candidates
+# (verification removes those): at a 0.5 threshold and 128 permutations that is 39 bands of 3
+# rows, and a J=0.5 pair becomes a candidate with probability 0.995.
+UNIT_MISS_WEIGHT = 0.99
+# The audit bands a seeded reordering of the signature columns, so its bands are different
+# triples of permutations: a pair unit building missed gets an independent second chance.
+AUDIT_COLUMN_SEED = 20240601
 
 
 @dataclass(frozen=True, eq=False)
@@ -77,7 +81,7 @@ def build_units(
 ) -> tuple[np.ndarray, dict[str, int]]:
     """Split unit per document, numbered in first-seen order (n,) int64, and link counts."""
     threshold = cfg.relatedness_threshold
-    cand = candidate_pairs(signatures, threshold)
+    cand = candidate_pairs(signatures, threshold, lsh_params(threshold, signatures.shape[1], UNIT_MISS_WEIGHT))
     kind, size = dedup_cfg.shingle, dedup_cfg.shingle_size
     related, _, skipped = verify_candidates(texts, signatures, cand, threshold, kind, size)
     edges = [related, _same_code_pairs(np.asarray(cluster_ids, dtype=np.int64))]
@@ -273,15 +277,18 @@ def leakage_audit(
 
     Train signatures are indexed by LSH at `relatedness_threshold`; every
     val/test document queries it and each candidate is verified with its exact
-    Jaccard. The index uses more bands than unit building did (AUDIT_MISS_WEIGHT),
-    so a related pair that unit building's LSH happened to miss is still likely
-    to be caught here: the audit is a second look, not the same look twice. With audit_action 'fail' any finding raises UserError; with 'warn'
+    Jaccard. Its bands group the signature columns differently from unit
+    building's (AUDIT_COLUMN_SEED), so a related pair that unit building's LSH
+    happened to miss is still likely to be caught: a second look, not the same
+    look twice. With audit_action 'fail' any finding raises UserError; with 'warn'
     the audit's `message` says what was found. Groups count only with use_groups.
     """
     split = np.asarray(list(splits), dtype=object)
     train, query = np.flatnonzero(split == "train"), np.flatnonzero(split != "train")
-    cand = cross_candidate_pairs(signatures[train], signatures[query], cfg.relatedness_threshold,
-                                 miss_weight=AUDIT_MISS_WEIGHT)
+    columns = np.random.default_rng(AUDIT_COLUMN_SEED).permutation(signatures.shape[1])
+    regrouped = signatures[:, columns]  # (n, num_perm): same hashes, different band triples
+    cand = cross_candidate_pairs(regrouped[train], regrouped[query], cfg.relatedness_threshold,
+                                 miss_weight=UNIT_MISS_WEIGHT)
     pairs = np.stack([query[cand[:, 0]], train[cand[:, 1]]], axis=1)  # (m, 2) query, train
     kind, size = dedup_cfg.shingle, dedup_cfg.shingle_size
     leaks, jac, _ = verify_candidates(

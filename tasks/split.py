@@ -19,7 +19,7 @@ SPEC = StageSpec(
     "split",
     inputs=("ingest/documents.parquet", "dedup/clusters.parquet", "dedup/signatures.npy"),
     sections=("split", "dedup"),
-    version=2,  # v2: the leakage audit queries a higher-recall LSH index than unit building
+    version=3,  # v3: higher-recall unit building; the audit bands regrouped signature columns
 )
 
 
