@@ -229,6 +229,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         "pretrain": {"batch_size": 32, "steps": 1500, "learning_rate": 1e-3, "warmup_steps": 100,
                       "log_every": 50, "eval_every": 250, "checkpoint_every": 250, "jit": "on"},
         "finetune": {"epochs": 3, "batch_size": 64, "max_len": 64},
+        # Embedding ~13k docstrings with MiniLM costs ~4 minutes on 2 cores: opt in with
+        # --set baseline.sentence_embeddings=auto (or on) when the `embeddings` extra is installed.
+        "baseline": {"sentence_embeddings": "off", "tfidf_c": [1.0, 10.0]},
     },
     # GPU scale.
     "base": {
