@@ -139,6 +139,31 @@ class _CurrentStderrHandler(logging.StreamHandler):
         pass
 
 
+class _HideUserErrorTracebacks(logging.Filter):
+    """A user error is printed once, as one line, by main(); Prefect's copies with tracebacks are dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not _mentions_user_error(record)
+
+
+def _mentions_user_error(record: logging.LogRecord) -> bool:
+    exc = record.exc_info[1] if record.exc_info else None
+    if isinstance(exc, UserError):
+        return True
+    message = record.getMessage()
+    return any(f"{cls.__name__}(" in message or f"{cls.__name__}:" in message
+               for cls in (UserError, *UserError.__subclasses__()))
+
+
+def _quiet_prefect_user_errors() -> None:
+    """Filter on Prefect's run loggers themselves: Prefect rebuilds its handlers when it starts a
+    temporary server, but logger-level filters survive that."""
+    for name in ("prefect.flow_runs", "prefect.task_runs", "prefect.flow_engine", "prefect.task_engine"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _HideUserErrorTracebacks) for f in logger.filters):
+            logger.addFilter(_HideUserErrorTracebacks())
+
+
 def _configure_logging() -> None:
     """selfsup's own progress lines on the terminal.
 
@@ -160,6 +185,8 @@ COMMANDS = {"run": _cmd_run, "stages": _cmd_stages, "report": _cmd_report, "ui":
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _configure_logging()
+    if not args.debug:
+        _quiet_prefect_user_errors()
     for noisy in ("httpx", "httpcore", "alembic", "mlflow.store"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
