@@ -41,7 +41,7 @@ def _prefect_console_follows_current_stderr():
     if not getattr(PrefectConsoleHandler, "_follows_stderr", False):
         original_init = PrefectConsoleHandler.__init__
 
-        def __init__(self, stream=None, *args, **kwargs):  # noqa: N807 - patched constructor
+        def __init__(self, stream=None, *args, **kwargs):
             original_init(self, _CurrentStderr(), *args, **kwargs)
 
         PrefectConsoleHandler.__init__ = __init__
