@@ -12,7 +12,6 @@ from flows.cli import main
 from flows.pipeline import run_pipeline
 from flows.report import collect_report
 from selfsup_model.config import build_config
-from selfsup_model.errors import CorpusError, UserError
 from selfsup_model.ingest import REJECT_REASONS, ingest_corpus
 
 PROSE = [
@@ -156,6 +155,3 @@ def test_a_single_label_skips_classification_but_pretrains(tmp_path):
     assert stages["finetune"]["counts"]["skipped"] == 1 and stages["baseline"]["counts"]["skipped"] == 1
     assert "Skipped" in (wd / "compare" / "report.md").read_text()
 
-
-def test_corpus_errors_are_user_errors():
-    assert issubclass(CorpusError, UserError)
