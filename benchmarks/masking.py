@@ -24,22 +24,18 @@ import json
 import time
 
 import numpy as np
+from synthetic import synthetic_windows
 
 from selfsup_model.config import MaskingConfig
 from selfsup_model.masking import mask_counts, mask_tokens
-from selfsup_model.specials import CLS_ID, NUM_SPECIAL, PAD_ID, SEP_ID
+from selfsup_model.specials import PAD_ID
 
 TARGET_TOKENS_PER_S = 20e6
 
 
 def realistic_batch(rng: np.random.Generator, batch: int, length: int, vocab: int) -> np.ndarray:
     """(batch, length) int32 framed windows with a realistic share of padding."""
-    ids = rng.integers(NUM_SPECIAL, vocab, size=(batch, length), dtype=np.int32)
-    real = np.where(rng.random(batch) < 1 / 3, length, rng.integers(8, length + 1, size=batch))
-    ids[np.arange(length)[None, :] >= real[:, None]] = PAD_ID
-    ids[:, 0] = CLS_ID
-    ids[np.arange(batch), real - 1] = SEP_ID
-    return ids
+    return synthetic_windows(rng, batch, length, vocab)
 
 
 def measure(ids: np.ndarray, cfg: MaskingConfig, vocab: int, repeats: int, iters: int) -> dict:

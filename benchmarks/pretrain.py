@@ -28,23 +28,18 @@ import sys
 import time
 
 import numpy as np
+from synthetic import synthetic_windows as shared_windows
 
 from selfsup_model.config import MaskingConfig, ModelConfig, PretrainConfig, build_config
-from selfsup_model.specials import CLS_ID, NUM_SPECIAL, PAD_ID, SEP_ID
+from selfsup_model.specials import PAD_ID
 
 REFERENCE = {"hidden": 256, "layers": 4, "ff": 1024, "vocab": 8192, "seq": 128, "batch": 32}  # heads = 4
 REFERENCE_TARGET_TOKENS_PER_S = 9_000
 
 
 def synthetic_windows(n: int, seq: int, vocab: int, seed: int = 0) -> np.ndarray:
-    """(n, seq) int32: a third fill the window, the rest have uniform lengths in [8, seq]."""
-    rng = np.random.default_rng(seed)
-    ids = rng.integers(NUM_SPECIAL, vocab, size=(n, seq), dtype=np.int32)
-    real = np.where(rng.random(n) < 1 / 3, seq, rng.integers(8, seq + 1, size=n))
-    ids[np.arange(seq)[None, :] >= real[:, None]] = PAD_ID
-    ids[:, 0] = CLS_ID
-    ids[np.arange(n), real - 1] = SEP_ID
-    return ids
+    """(n, seq) int32 windows with a realistic share of padding."""
+    return shared_windows(np.random.default_rng(seed), n, seq, vocab)
 
 
 def size_spec(name: str, args) -> dict:
