@@ -4,8 +4,9 @@ Corpus: docstrings harvested from the default libraries (`pydocs.harvest`),
 plus injected copies with known edits: near copies (each word of a source
 substituted by a random corpus word or deleted, at a rate drawn uniformly from
 [0, --max-edit], so some land below the threshold) and exact copies (only
-whitespace changed). Pairs are scored between distinct normalised texts;
-exact copies are scored separately.
+whitespace changed). Pairs are scored between distinct folded texts
+(`fold_for_shingling`: lowercase, whitespace collapsed); exact copies are
+scored separately.
 
 Ground truth: a pair is a true duplicate when its exact shingle Jaccard (the
 same char 5-gram shingling) is >= --threshold. All pairs of 50k documents
@@ -41,10 +42,10 @@ from datasketch import MinHash, MinHashLSH
 
 from selfsup_model.config import DEFAULT_PYDOCS_LIBRARIES, DedupConfig
 from selfsup_model.dedup import find_duplicates
+from selfsup_model.lsh import candidate_pairs
 from selfsup_model.minhash import (
-    candidate_pairs,
+    fold_for_shingling,
     minhash_signatures,
-    normalize_text,
     plausible_pairs,
     verify_pairs,
 )
@@ -106,7 +107,7 @@ def plain_datasketch(texts: list[str], cfg: DedupConfig) -> tuple[set[tuple[int,
     lsh = MinHashLSH(threshold=cfg.threshold, num_perm=cfg.num_perm)
     sketches = []
     for key, text in enumerate(texts):
-        norm = normalize_text(text)
+        norm = fold_for_shingling(text)
         size = cfg.shingle_size
         shingles = {norm[k : k + size] for k in range(max(len(norm) - size + 1, 1))}
         sketch = MinHash(num_perm=cfg.num_perm, seed=cfg.seed)
@@ -153,7 +154,7 @@ def run(args: argparse.Namespace) -> dict:
     ours_sub_s = time.perf_counter() - start
 
     log("building the ground-truth pool ...")
-    code, distinct = pd.factorize(pd.Series([normalize_text(t) for t in texts], dtype=object))
+    code, distinct = pd.factorize(pd.Series([fold_for_shingling(t) for t in texts], dtype=object))
     u = len(distinct)
     row = {doc: i for i, doc in enumerate(ids)}
     ours = as_codes(

@@ -33,11 +33,6 @@ from selfsup_model.specials import PAD_ID
 TARGET_TOKENS_PER_S = 20e6
 
 
-def realistic_batch(rng: np.random.Generator, batch: int, length: int, vocab: int) -> np.ndarray:
-    """(batch, length) int32 framed windows with a realistic share of padding."""
-    return synthetic_windows(rng, batch, length, vocab)
-
-
 def measure(ids: np.ndarray, cfg: MaskingConfig, vocab: int, repeats: int, iters: int) -> dict:
     rng = np.random.default_rng(0)
     mask_tokens(ids, rng, cfg, vocab)  # warm-up: first-call allocations
@@ -74,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.core >= 0 and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {args.core})
-    ids = realistic_batch(np.random.default_rng(1), args.batch, args.length, args.vocab)
+    ids = synthetic_windows(np.random.default_rng(1), args.batch, args.length, args.vocab)
     rules = ["fixed", "bernoulli"] if args.selection == "both" else [args.selection]
     results = []
     for rule in rules:

@@ -28,18 +28,14 @@ import sys
 import time
 
 import numpy as np
-from synthetic import synthetic_windows as shared_windows
+from synthetic import synthetic_windows
 
-from selfsup_model.config import MaskingConfig, ModelConfig, PretrainConfig, build_config
+from selfsup_model.config import MaskingConfig, ModelConfig, PretrainConfig
+from selfsup_model.presets import build_config
 from selfsup_model.specials import PAD_ID
 
 REFERENCE = {"hidden": 256, "layers": 4, "ff": 1024, "vocab": 8192, "seq": 128, "batch": 32}  # heads = 4
 REFERENCE_TARGET_TOKENS_PER_S = 9_000
-
-
-def synthetic_windows(n: int, seq: int, vocab: int, seed: int = 0) -> np.ndarray:
-    """(n, seq) int32 windows with a realistic share of padding."""
-    return shared_windows(np.random.default_rng(seed), n, seq, vocab)
 
 
 def size_spec(name: str, args) -> dict:
@@ -74,7 +70,7 @@ def bench_size(spec: dict, args) -> dict:
 
     from selfsup_model.model import build_backbone, build_pretraining_model
     from selfsup_model.pretrain_data import PretrainBatches
-    from selfsup_model.training import build_optimizer, resolve_jit, resolve_precision
+    from selfsup_model.pretraining import build_optimizer, resolve_jit, resolve_precision
 
     model_cfg = ModelConfig(hidden=spec["hidden"], layers=spec["layers"], heads=spec["heads"], ff=spec["ff"],
                             dropout=spec["dropout"])
@@ -82,7 +78,7 @@ def bench_size(spec: dict, args) -> dict:
     pre_cfg = PretrainConfig(batch_size=spec["batch"], steps=total, warmup_steps=min(10, total),
                              mixed_precision=args.precision, jit=args.jit)
     masks = MaskingConfig(max_predictions=spec["predictions"])
-    windows = synthetic_windows(max(4 * spec["batch"], 512), spec["seq"], spec["vocab"])
+    windows = synthetic_windows(np.random.default_rng(0), max(4 * spec["batch"], 512), spec["seq"], spec["vocab"])
     data = PretrainBatches(windows, objective="mlm", batch_size=spec["batch"], total_steps=total, seed=0,
                            masking=masks, vocab_size=spec["vocab"])
     data_s = time_data(data, min(args.steps, 50))
@@ -140,7 +136,8 @@ def bench_hf(spec: dict, args) -> dict | None:
                      max_position_embeddings=spec["seq"])
     model = BertForMaskedLM(cfg).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    ids = torch.from_numpy(synthetic_windows(spec["batch"], spec["seq"], spec["vocab"]).astype(np.int64))
+    ids = torch.from_numpy(synthetic_windows(np.random.default_rng(0), spec["batch"], spec["seq"], spec["vocab"])
+                           .astype(np.int64))
     labels = torch.full_like(ids, -100)
     labels[:, 1:1 + spec["predictions"]] = ids[:, 1:1 + spec["predictions"]]
     times = []

@@ -14,7 +14,7 @@ import hashlib
 import json
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +54,35 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
 
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> Path:
     return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=_json_default) + "\n")
+
+
+def atomic_save_npy(path: str | os.PathLike, array: Any) -> Path:
+    """np.save atomically, without pickle (through a handle: np.save(path) appends '.npy')."""
+    import numpy as np  # here, so that manifests and JSON need no numpy
+
+    with atomic_path(path) as tmp, open(tmp, "wb") as fh:
+        np.save(fh, np.ascontiguousarray(array), allow_pickle=False)
+    return Path(path)
+
+
+def atomic_write_parquet(path: str | os.PathLike, frame: Any) -> Path:
+    """A pandas DataFrame as Parquet, atomically, without its index."""
+    with atomic_path(path) as tmp:
+        frame.to_parquet(tmp, index=False)
+    return Path(path)
+
+
+def save_keras_atomic(model: Any, path: str | os.PathLike) -> Path:
+    """`model.save` to a temp `.keras` name beside `path`, then os.replace."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}.keras")  # save() insists on .keras
+    try:
+        model.save(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
 
 
 def _json_default(obj: Any) -> Any:
@@ -118,13 +147,20 @@ class StageManifest:
     def write(self, stage_dir: str | os.PathLike) -> Path:
         return atomic_write_json(Path(stage_dir) / MANIFEST_NAME, self.to_dict())
 
+    @classmethod
+    def read(cls, path: str | os.PathLike) -> StageManifest:
+        """The manifest at `path`; an unreadable one is an ArtifactError naming the file."""
+        try:
+            return cls.from_dict(json.loads(Path(path).read_text("utf-8")))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ArtifactError(f"cannot read manifest {path} ({exc}); rerun that stage") from None
+
 
 def read_manifest(stage_dir: str | os.PathLike) -> StageManifest | None:
     """The stage's manifest, or None when absent or unreadable (never trusted then)."""
-    path = Path(stage_dir) / MANIFEST_NAME
     try:
-        return StageManifest.from_dict(json.loads(path.read_text("utf-8")))
-    except (OSError, ValueError, KeyError, TypeError, ArtifactError):
+        return StageManifest.read(Path(stage_dir) / MANIFEST_NAME)
+    except ArtifactError:
         return None
 
 
@@ -137,12 +173,17 @@ def record_outputs(stage_dir: str | os.PathLike, names: list[str]) -> dict[str, 
     return out
 
 
-def verify_outputs(stage_dir: str | os.PathLike, manifest: StageManifest) -> list[str]:
-    """Names of recorded outputs that are missing or whose bytes changed."""
+def verify_outputs(stage_dir: str | os.PathLike, manifest: StageManifest,
+                   hasher: Callable[[Path], str] = sha256_file) -> list[str]:
+    """Names of recorded outputs that are missing or whose bytes changed.
+
+    `hasher` lets a caller memoise hashes (the stage runner checks the same
+    files several times per run); the size is compared first, for free.
+    """
     stage_dir = Path(stage_dir)
     bad = []
     for name, rec in manifest.outputs.items():
         path = stage_dir / name
-        if not path.is_file() or path.stat().st_size != rec.size or sha256_file(path) != rec.sha256:
+        if not path.is_file() or path.stat().st_size != rec.size or hasher(path) != rec.sha256:
             bad.append(name)
     return bad

@@ -32,6 +32,7 @@ from keras import ops
 from selfsup_model.config import FinetuneConfig
 from selfsup_model.errors import UserError
 from selfsup_model.metrics import accuracy, macro_f1
+from selfsup_model.saving import serializable
 from selfsup_model.specials import PAD_ID
 
 Mode = Literal["probe", "full", "scratch"]
@@ -41,7 +42,7 @@ POOLINGS: tuple[str, ...] = ("mean", "cls")
 log = logging.getLogger("selfsup.classify")
 
 
-@keras.saving.register_keras_serializable(package="selfsup")
+@serializable
 class MaskedMeanPooling(keras.layers.Layer):
     """Mean of the states at real positions (ids != PAD): (B, L, H), (B, L) -> (B, H).
 
@@ -59,7 +60,7 @@ class MaskedMeanPooling(keras.layers.Layer):
         return (states_shape[0], states_shape[-1])
 
 
-@keras.saving.register_keras_serializable(package="selfsup")
+@serializable
 class ClsPooling(keras.layers.Layer):
     """The state at position 0, the [CLS] token every encoded sequence starts with.
 
@@ -75,7 +76,7 @@ class ClsPooling(keras.layers.Layer):
         return (states_shape[0], states_shape[-1])
 
 
-@keras.saving.register_keras_serializable(package="selfsup")
+@serializable
 class TwoRateAdam(keras.optimizers.Adam):
     """Adam whose step is scaled by `scale` for the variables named in `scaled_paths`.
 

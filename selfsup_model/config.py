@@ -1,20 +1,22 @@
-"""The typed pipeline configuration, its presets and override parsing.
+"""The typed pipeline configuration: one pydantic section per stage.
 
 One `PipelineConfig` holds a section per stage. Prefect renders it as a form,
-the CLI builds it from a preset + YAML file + `--set a.b=value` overrides, and
-each stage fingerprints only the sections that affect its output.
+and each stage fingerprints only the sections that affect its output. Presets,
+YAML files and `--set a.b=value` overrides are turned into one in
+`selfsup_model.presets`; this module needs pydantic alone, so the training
+path imports it without YAML.
 """
 
 from __future__ import annotations
 
-import copy
-from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from selfsup_model.errors import UserError
+DEFAULT_WORKDIR = "data/runs/default"
+SPLITS = ("train", "val", "test")  # the order every stage lists them in
+# What `--corpus` names: a folder of class sub-folders, a table file, or the embedded docstrings.
+CorpusFormat = Literal["auto", "folder", "table", "pydocs"]
 
 DEFAULT_PYDOCS_LIBRARIES = (
     "numpy", "pandas", "scipy", "sklearn", "tensorflow", "keras",
@@ -26,9 +28,6 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-Rate = float
-
-
 class IngestConfig(_Section):
     min_chars: int = Field(40, ge=1, description="Documents shorter than this (after normalisation) are rejected.")
     max_chars: int = Field(200_000, ge=1, description="Longer documents are rejected as too_long.")
@@ -38,7 +37,8 @@ class IngestConfig(_Section):
     group_column: str = "group"
     pydocs_libraries: tuple[str, ...] = DEFAULT_PYDOCS_LIBRARIES
     pydocs_max_per_library: int | None = Field(
-        None, ge=1, description="Keep at most this many docstrings per library (deterministic: first in file order)."
+        None, ge=1, description="Keep at most this many docstrings per library: a deterministic sample spread over "
+                  "the library by a hash of each id, in file order."
     )
     workers: int = Field(2, ge=1, le=64)
 
@@ -59,9 +59,9 @@ class DedupConfig(_Section):
 
 
 class SplitConfig(_Section):
-    train: Rate = Field(0.8, gt=0.0, lt=1.0)
-    val: Rate = Field(0.1, gt=0.0, lt=1.0)
-    test: Rate = Field(0.1, gt=0.0, lt=1.0)
+    train: float = Field(0.8, gt=0.0, lt=1.0)
+    val: float = Field(0.1, gt=0.0, lt=1.0)
+    test: float = Field(0.1, gt=0.0, lt=1.0)
     relatedness_threshold: float = Field(0.5, gt=0.0, lt=1.0)
     use_groups: bool = True
     stratify: bool = True
@@ -97,10 +97,10 @@ class EncodeConfig(_Section):
 
 
 class MaskingConfig(_Section):
-    select_rate: Rate = Field(0.15, gt=0.0, le=1.0)
-    mask_rate: Rate = Field(0.8, ge=0.0, le=1.0)
-    random_rate: Rate = Field(0.1, ge=0.0, le=1.0)
-    keep_rate: Rate = Field(0.1, ge=0.0, le=1.0)
+    select_rate: float = Field(0.15, gt=0.0, le=1.0)
+    mask_rate: float = Field(0.8, ge=0.0, le=1.0)
+    random_rate: float = Field(0.1, ge=0.0, le=1.0)
+    keep_rate: float = Field(0.1, ge=0.0, le=1.0)
     selection: Literal["fixed", "bernoulli"] = "fixed"
     max_predictions: int = Field(20, ge=1, description="Selected positions kept per sequence (the gathered MLM head's width).")
     empty_policy: Literal["force_one", "skip"] = "force_one"
@@ -203,112 +203,3 @@ class PipelineConfig(_Section):
     finetune: FinetuneConfig = FinetuneConfig()
     baseline: BaselineConfig = BaselineConfig()
     compare: CompareConfig = CompareConfig()
-
-
-PRESETS: dict[str, dict[str, Any]] = {
-    # Seconds per stage on 2 cores: for tests and CI.
-    "tiny": {
-        "ingest": {"min_chars": 20, "pydocs_libraries": ["email", "xml", "unittest"], "pydocs_max_per_library": 100},
-        "dedup": {"num_perm": 64},
-        "tokenizer": {"vocab_size": 300, "min_frequency": 1},
-        "encode": {"max_len": 32, "overlap": 8, "max_windows_per_doc": 2},
-        "masks": {"max_predictions": 6},
-        "model": {"hidden": 16, "layers": 1, "heads": 2, "ff": 32, "dropout": 0.0},
-        "pretrain": {"batch_size": 8, "steps": 12, "warmup_steps": 2, "log_every": 4,
-                      "eval_every": 6, "checkpoint_every": 6},
-        "finetune": {"fractions": [0.5, 1.0], "epochs": 2, "batch_size": 16, "patience": 1},
-        "baseline": {"tfidf_c": [1.0], "tfidf_ngram_max": [1], "bag_dim": 16, "sentence_c": [1.0]},
-        "compare": {"bootstrap": 50},
-    },
-    # The default: the whole pipeline on the embedded corpus in <= 15 minutes on 2 CPU cores.
-    "demo": {
-        "ingest": {"pydocs_max_per_library": 1500},
-        "tokenizer": {"vocab_size": 4096},
-        "encode": {"max_len": 128, "max_windows_per_doc": 4},
-        "model": {"hidden": 128, "layers": 2, "heads": 4, "ff": 512},
-        "pretrain": {"batch_size": 32, "steps": 1500, "learning_rate": 1e-3, "warmup_steps": 100,
-                      "log_every": 50, "eval_every": 250, "checkpoint_every": 250, "jit": "on"},
-        "finetune": {"epochs": 3, "batch_size": 64, "max_len": 64},
-        # Embedding ~13k docstrings with MiniLM costs ~4 minutes on 2 cores: opt in with
-        # --set baseline.sentence_embeddings=auto (or on) when the `embeddings` extra is installed.
-        "baseline": {"sentence_embeddings": "off", "tfidf_c": [1.0, 10.0]},
-    },
-    # GPU scale.
-    "base": {
-        "tokenizer": {"vocab_size": 16384},
-        "encode": {"max_len": 256},
-        "masks": {"max_predictions": 40},
-        "model": {"hidden": 512, "layers": 8, "heads": 8, "ff": 2048},
-        "pretrain": {"batch_size": 128, "steps": 20000, "warmup_steps": 1000,
-                      "eval_every": 1000, "checkpoint_every": 1000},
-        "finetune": {"epochs": 10},
-    },
-}
-
-
-def deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
-    out = copy.deepcopy(base)
-    for key, value in update.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = deep_merge(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
-
-
-def parse_override(text: str) -> dict[str, Any]:
-    """`a.b=value` -> {"a": {"b": value}}; the value is parsed as YAML (numbers, lists, bools)."""
-    key, sep, raw = text.partition("=")
-    if not sep or not key.strip():
-        raise UserError(f"--set expects KEY=VALUE (e.g. dedup.threshold=0.85), got {text!r}")
-    value = yaml.safe_load(raw) if raw.strip() else ""
-    parts = key.strip().split(".")
-    out: dict[str, Any] = {}
-    node = out
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
-    node[parts[-1]] = value
-    return out
-
-
-def build_config(
-    preset: str = "demo",
-    config_file: str | Path | None = None,
-    overrides: list[str] | tuple[str, ...] = (),
-) -> PipelineConfig:
-    """Preset, then YAML file, then `--set` overrides; errors are one clear line."""
-    if preset not in PRESETS:
-        raise UserError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
-    data = copy.deepcopy(PRESETS[preset])
-    if config_file is not None:
-        path = Path(config_file)
-        try:
-            loaded = yaml.safe_load(path.read_text("utf-8")) or {}
-        except OSError as exc:
-            raise UserError(f"cannot read config file {path}: {exc.strerror}") from None
-        except yaml.YAMLError as exc:
-            raise UserError(f"config file {path} is not valid YAML: {exc}") from None
-        if not isinstance(loaded, dict):
-            raise UserError(f"config file {path} must hold a mapping of sections")
-        data = deep_merge(data, loaded)
-    for item in overrides:
-        data = deep_merge(data, parse_override(item))
-    return validate_config(data)
-
-
-def validate_config(data: dict[str, Any]) -> PipelineConfig:
-    try:
-        return PipelineConfig.model_validate(data)
-    except ValidationError as exc:
-        raise UserError(f"invalid configuration: {_one_line(exc)}") from None
-
-
-def _one_line(exc: ValidationError) -> str:
-    parts = []
-    for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"])
-        msg = err["msg"]
-        if err["type"] == "extra_forbidden":
-            msg = "unknown key"
-        parts.append(f"{loc}: {msg}" if loc else msg)
-    return "; ".join(parts)

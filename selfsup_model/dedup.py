@@ -1,16 +1,16 @@
 """Exact and near-duplicate detection: which documents to keep, and why each other one goes.
 
-Order of work: texts are normalised (`minhash.normalize_text`); identical
-normalised texts are exact duplicates; one MinHash signature per distinct text
-feeds an LSH index at `cfg.threshold`; every LSH candidate pair is verified
-with its exact shingle Jaccard before it counts (candidates whose signatures
-put the threshold 6 standard errors away are skipped as certain misses - see
-`minhash.plausible_pairs`); verified pairs and exact
-groups are joined into clusters (connected components, so a chain A~B~C is one
-cluster).
+Order of work: texts are folded (`minhash.fold_for_shingling`: lowercase,
+whitespace collapsed); identical folded texts are exact duplicates; one MinHash
+signature per distinct text feeds LSH (`lsh.candidate_pairs`) at
+`cfg.threshold`; every LSH candidate pair is verified with its exact shingle
+Jaccard before it counts (candidates whose signatures put the threshold 6
+standard errors away are skipped as certain misses - see
+`minhash.plausible_pairs`); verified pairs and exact groups are joined into
+clusters (`graph.components`, so a chain A~B~C is one cluster).
 
 Representative rule: each cluster keeps the member with the longest
-normalised text; ties go to the member that comes first in the input. Every
+folded text; ties go to the member that comes first in the input. Every
 other member is dropped as a duplicate of that kept document.
 """
 
@@ -21,17 +21,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
-from scipy.sparse import coo_matrix
-from scipy.sparse.csgraph import connected_components
 
 from selfsup_model.config import DedupConfig
 from selfsup_model.errors import UserError
+from selfsup_model.graph import components, first_seen_ids
+from selfsup_model.lsh import candidate_pairs, lsh_params
 from selfsup_model.minhash import (
     Progress,
-    candidate_pairs,
-    lsh_params,
+    fold_for_shingling,
     minhash_signatures,
-    normalize_text,
     verify_candidates,
     verify_pairs,
 )
@@ -45,33 +43,19 @@ class DedupResult:
 
     clusters: one row per input document, input order, columns CLUSTER_COLUMNS.
       kind is 'unique' for every kept document, 'exact' for a dropped document
-      whose normalised text equals its representative's, 'near' otherwise.
+      whose folded text equals its representative's, 'near' otherwise.
       max_jaccard: dropped -> exact Jaccard to its representative (1.0 for
       exact; below the threshold is possible for the far end of a chain);
       kept -> the largest of those over its cluster (0.0 for a singleton).
     signatures: (n_docs, num_perm) uint32 MinHash signatures, input order.
     pairs: the verified near-duplicate pairs (left_id, right_id, jaccard) between
-      distinct normalised texts, each text named by the first document holding it.
+      distinct folded texts, each text named by the first document holding it.
     """
 
     clusters: pd.DataFrame
     signatures: np.ndarray
     counts: dict[str, int] = field(default_factory=dict)
     pairs: pd.DataFrame = field(default_factory=pd.DataFrame)
-
-
-def components(n: int, pairs: np.ndarray) -> np.ndarray:
-    """Connected-component label of each of n nodes joined by (m, 2) pairs: (n,) int64."""
-    edges = coo_matrix((np.ones(len(pairs)), (pairs[:, 0], pairs[:, 1])), shape=(n, n))
-    return connected_components(edges, directed=False)[1].astype(np.int64)
-
-
-def first_seen_ids(labels: np.ndarray) -> np.ndarray:
-    """Renumber labels 0, 1, ... in order of first appearance: (n,) int64."""
-    _, first, inverse = np.unique(labels, return_index=True, return_inverse=True)
-    rank = np.empty(len(first), dtype=np.int64)
-    rank[np.argsort(first, kind="stable")] = np.arange(len(first))
-    return rank[inverse]
 
 
 def _check_inputs(ids: Sequence[str], texts: Sequence[str]) -> int:
@@ -106,7 +90,7 @@ def find_duplicates(
     `progress(done, total)` is called after each signature batch (over distinct texts).
     """
     n = _check_inputs(ids, texts)
-    norm = [normalize_text(t) for t in texts]
+    norm = [fold_for_shingling(t) for t in texts]
     text_code, distinct = pd.factorize(pd.Series(norm, dtype=object), sort=False)  # (n,), (u,)
     text_code = text_code.astype(np.int64)
     sig_u = minhash_signatures(

@@ -1,4 +1,4 @@
-"""Documents -> fixed-length, framed, padded token windows (and the causal shift).
+"""Documents -> fixed-length, framed, padded token windows.
 
 A document's content ids are cut into windows of at most `max_len - 2` tokens;
 consecutive windows share `overlap` tokens (stride = max_len - 2 - overlap).
@@ -31,10 +31,10 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer
 
-from selfsup_model.artifacts import atomic_path
+from selfsup_model.artifacts import atomic_save_npy
 from selfsup_model.config import EncodeConfig
 from selfsup_model.errors import ArtifactError
-from selfsup_model.specials import BOS_ID, CLS_ID, EOS_ID, PAD_ID, SEP_ID
+from selfsup_model.specials import CLS_ID, PAD_ID, SEP_ID
 
 _SUFFIXES = ("windows", "doc_offsets", "kept")
 
@@ -48,10 +48,6 @@ class EncodedSplit:
     kept: np.ndarray  # (n_kept,) int64 indices into the input texts
     empty: np.ndarray  # (n_empty,) int64 indices of texts with no tokens
     counts: dict[str, int]
-
-    def first_windows(self) -> np.ndarray:
-        """(n_kept, max_len): each kept document's first (truncated) window, for classification."""
-        return self.windows[self.doc_offsets[:-1]]
 
 
 def encode_split(tok: Tokenizer, texts: Sequence[str], cfg: EncodeConfig) -> EncodedSplit:
@@ -132,26 +128,6 @@ def _build_windows(
     return out
 
 
-def causal_lm_batch(windows: np.ndarray) -> dict[str, np.ndarray]:
-    """Next-token inputs/targets from framed windows (B, L): shifted here, exactly once.
-
-    The framing becomes [BOS] ... [EOS]; `input_ids` = x[:, :-1] and
-    `target_ids` = x[:, 1:], both (B, L-1), so position t predicts token t+1.
-    `loss_weights` is 1.0 where the target is a real token (content or [EOS])
-    and 0.0 where it is [PAD]. Consumers must NOT shift again.
-    """
-    x = np.asarray(windows, dtype=np.int32)
-    if x.ndim != 2 or x.shape[1] < 2:
-        raise ValueError(f"windows must be (batch, length >= 2), got shape {x.shape}")
-    x = np.where(x == CLS_ID, BOS_ID, np.where(x == SEP_ID, EOS_ID, x)).astype(np.int32)
-    targets = x[:, 1:]
-    return {
-        "input_ids": np.ascontiguousarray(x[:, :-1]),  # (B, L-1)
-        "target_ids": np.ascontiguousarray(targets),  # (B, L-1)
-        "loss_weights": (targets != PAD_ID).astype(np.float32),  # (B, L-1)
-    }
-
-
 def split_file_names(split: str) -> list[str]:
     return [f"{split}_{suffix}.npy" for suffix in _SUFFIXES]
 
@@ -161,9 +137,7 @@ def write_encoded(encoded: EncodedSplit, directory: str | os.PathLike, split: st
     arrays = (encoded.windows, encoded.doc_offsets, encoded.kept)
     names = split_file_names(split)
     for name, array in zip(names, arrays, strict=True):
-        with atomic_path(Path(directory) / name) as tmp, open(tmp, "wb") as fh:
-            # A file handle, not a path: np.save would append ".npy" to the temp name.
-            np.save(fh, np.ascontiguousarray(array), allow_pickle=False)
+        atomic_save_npy(Path(directory) / name, array)
     return names
 
 

@@ -11,10 +11,10 @@ import math
 
 import numpy as np
 
-from selfsup_model.encoding import causal_lm_batch
 from selfsup_model.errors import UserError
 from selfsup_model.losses import WeightedLossAccumulator
-from selfsup_model.pretrain_data import unigram_baseline_loss
+from selfsup_model.specials import NUM_SPECIAL, PAD_ID
+from selfsup_model.windows import causal_lm_batch
 
 _DENSE = ("input_ids", "target_ids", "loss_weights")
 
@@ -75,3 +75,34 @@ def validation_unigram_loss(log_probs: np.ndarray, objective: str, val_masks) ->
         return unigram_baseline_loss(log_probs, val_masks["target_ids"], val_masks["loss_weights"])
     b = causal_lm_batch(np.asarray(val_masks["target_ids"]))
     return unigram_baseline_loss(log_probs, b["target_ids"], b["loss_weights"])
+
+
+def unigram_log_probs(windows, vocab_size: int, objective: str, chunk: int = 4096) -> np.ndarray:
+    """(V,) float64 log-probabilities of the training split's add-one-smoothed unigram model.
+
+    Counted over the tokens that can be targets: non-special ids for mlm; for
+    clm every real id of the framing the causal batches use ([BOS]/[EOS]).
+    """
+    counts = np.zeros(vocab_size, dtype=np.float64)
+    for start in range(0, len(windows), chunk):
+        block = np.asarray(windows[start:start + chunk], dtype=np.int64)
+        if objective == "clm":
+            block = causal_lm_batch(block)["target_ids"]
+            keep = block != PAD_ID
+        else:
+            keep = block >= NUM_SPECIAL
+        counts += np.bincount(block[keep], minlength=vocab_size)[:vocab_size]
+    if objective == "mlm":
+        # Targets are never special, so the specials get no mass (smoothing included).
+        counts[:NUM_SPECIAL] = -1.0
+    counts += 1.0
+    return np.log(counts / counts.sum(), where=counts > 0, out=np.full(vocab_size, -np.inf))
+
+
+def unigram_baseline_loss(log_probs: np.ndarray, targets, weights) -> float:
+    """Token-weighted cross-entropy of predicting `targets` with a fixed distribution."""
+    weights = np.asarray(weights, dtype=np.float64)
+    total = weights.sum()
+    if total <= 0:
+        return float("nan")
+    return float(-(weights * np.where(weights != 0, log_probs[np.asarray(targets)], 0.0)).sum() / total)

@@ -20,16 +20,16 @@ import unicodedata
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Literal
 
 import pandas as pd
 
 from selfsup_model.artifacts import sha256_json
-from selfsup_model.config import IngestConfig
+from selfsup_model.config import CorpusFormat, IngestConfig
 from selfsup_model.errors import CorpusError
 
-CorpusFormat = Literal["auto", "folder", "table", "pydocs"]
-TABLE_SUFFIXES = {".csv": "csv", ".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
+TABLE_SUFFIXES = {
+    ".csv": "csv", ".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".pq": "parquet",
+}
 REJECT_REASONS = (
     "not_utf8", "binary", "empty", "too_short", "too_long", "duplicate_id", "duplicate_text",
     "unreadable", "outside_class_folder",
@@ -61,7 +61,7 @@ class IngestResult:
     counts: dict[str, int]
 
 
-def normalise_text(text: str) -> str:
+def normalize_document(text: str) -> str:
     """NFC, unified newlines, runs of spaces/tabs collapsed, at most one blank line, stripped."""
     text = unicodedata.normalize("NFC", text).replace("\r\n", "\n").replace("\r", "\n")
     text = "\n".join(_HSPACE.sub(" ", line).strip() for line in text.split("\n"))
@@ -79,7 +79,10 @@ def detect_format(path: str | os.PathLike, fmt: CorpusFormat = "auto") -> Corpus
     if p.suffix.lower() in TABLE_SUFFIXES:
         return "table"
     if not p.exists():
-        raise CorpusError(f"corpus path {str(path)!r} does not exist (use a folder, a .csv/.jsonl/.parquet file, or 'pydocs')")
+        raise CorpusError(
+            f"corpus path {str(path)!r} does not exist "
+            "(use a folder, a .csv/.jsonl/.parquet file, or 'pydocs')"
+        )
     raise CorpusError(
         f"cannot tell the format of {str(path)!r}; pass --format folder|table|pydocs "
         f"(tables must end in {', '.join(sorted(TABLE_SUFFIXES))})"
@@ -93,7 +96,9 @@ def iter_folder(root: Path) -> Iterator[RawRecord]:
     # Not only regular files: a dangling link or special file named *.txt is reported, not skipped.
     files = sorted(p for p in root.rglob("*.txt") if not p.is_dir())
     if not files:
-        raise CorpusError(f"corpus folder {str(root)!r} holds no .txt files (expected <folder>/<label>/*.txt)")
+        raise CorpusError(
+            f"corpus folder {str(root)!r} holds no .txt files (expected <folder>/<label>/*.txt)"
+        )
     for path in files:
         rel = path.relative_to(root).as_posix()
         if len(path.relative_to(root).parts) < 2:
@@ -104,7 +109,8 @@ def iter_folder(root: Path) -> Iterator[RawRecord]:
         try:
             data = path.read_bytes()
         except OSError as exc:
-            yield RawRecord(rel, rel, None, label=label, error="unreadable", detail=str(exc.strerror))
+            yield RawRecord(rel, rel, None, label=label, error="unreadable",
+                            detail=str(exc.strerror))
             continue
         yield RawRecord(rel, rel, data, label=label, group=None)
 
@@ -112,7 +118,9 @@ def iter_folder(root: Path) -> Iterator[RawRecord]:
 def read_table(path: Path, cfg: IngestConfig) -> pd.DataFrame:
     kind = TABLE_SUFFIXES.get(path.suffix.lower())
     if kind is None:
-        raise CorpusError(f"table {str(path)!r} must end in one of {', '.join(sorted(TABLE_SUFFIXES))}")
+        raise CorpusError(
+            f"table {str(path)!r} must end in one of {', '.join(sorted(TABLE_SUFFIXES))}"
+        )
     try:
         if kind == "csv":
             # surrogateescape keeps undecodable bytes so each bad row is rejected on its own
@@ -126,9 +134,13 @@ def read_table(path: Path, cfg: IngestConfig) -> pd.DataFrame:
     except FileNotFoundError:
         raise CorpusError(f"corpus table {str(path)!r} does not exist") from None
     except PermissionError:
-        raise CorpusError(f"corpus table {str(path)!r} is not readable (permission denied)") from None
+        raise CorpusError(
+            f"corpus table {str(path)!r} is not readable (permission denied)"
+        ) from None
     except (ValueError, OSError, UnicodeError) as exc:
-        raise CorpusError(f"cannot read corpus table {str(path)!r} as {kind}: {str(exc).splitlines()[0]}") from None
+        raise CorpusError(
+            f"cannot read corpus table {str(path)!r} as {kind}: {str(exc).splitlines()[0]}"
+        ) from None
     if cfg.text_column not in frame.columns:
         raise CorpusError(
             f"corpus table {str(path)!r} has no {cfg.text_column!r} column (columns: "
@@ -158,7 +170,9 @@ def iter_table(path: Path, cfg: IngestConfig) -> Iterator[RawRecord]:
 def iter_pydocs(cfg: IngestConfig) -> Iterator[RawRecord]:
     from selfsup_model.pydocs import harvest
 
-    frame = harvest(cfg.pydocs_libraries, workers=cfg.workers, max_per_library=cfg.pydocs_max_per_library)
+    frame = harvest(
+        cfg.pydocs_libraries, workers=cfg.workers, max_per_library=cfg.pydocs_max_per_library
+    )
     for doc_id, text, label, group in frame.itertuples(index=False, name=None):
         yield RawRecord(group, doc_id, text, label, group)
 
@@ -183,7 +197,7 @@ def _judge(rec: RawRecord, cfg: IngestConfig) -> tuple[str | None, str | None, s
         return None, "binary", "NUL character"
     if len(data) > cfg.max_chars * 4:  # cheap guard before normalising a huge string
         return None, "too_long", f"{len(data)} characters > ingest.max_chars={cfg.max_chars}"
-    text = normalise_text(data)
+    text = normalize_document(data)
     if not text:
         return None, "empty", "empty or whitespace only"
     if len(text) < cfg.min_chars:
@@ -193,7 +207,9 @@ def _judge(rec: RawRecord, cfg: IngestConfig) -> tuple[str | None, str | None, s
     return text, None, ""
 
 
-def ingest_records(records: Iterable[RawRecord], cfg: IngestConfig, corpus_name: str) -> IngestResult:
+def ingest_records(
+    records: Iterable[RawRecord], cfg: IngestConfig, corpus_name: str
+) -> IngestResult:
     """Judge every record; the first document with a given id (or identical text) wins.
 
     Byte-identical copies (after normalisation) are rejected here as duplicate_text,
@@ -219,7 +235,8 @@ def ingest_records(records: Iterable[RawRecord], cfg: IngestConfig, corpus_name:
         seen_text[digest] = rec.id
         docs.append((rec.id, text, rec.label, rec.group, rec.source))
     documents = pd.DataFrame(docs, columns=DOC_COLUMNS).astype(
-        {"id": "string", "text": "string", "label": "string", "group": "string", "source": "string"})
+        {"id": "string", "text": "string", "label": "string", "group": "string",
+         "source": "string"})
     reject_frame = pd.DataFrame(rejects, columns=REJECT_COLUMNS).astype("string")
     by_reason = Counter(reject_frame["reason"].tolist())
     counts = {"read": read, "kept": len(documents), "rejected": len(reject_frame)}
@@ -227,9 +244,50 @@ def ingest_records(records: Iterable[RawRecord], cfg: IngestConfig, corpus_name:
     counts["labelled"] = int(documents["label"].notna().sum())
     if counts["kept"] == 0:
         summary = ", ".join(f"{r}={n}" for r, n in sorted(by_reason.items())) or "no records"
-        raise CorpusError(f"corpus {corpus_name!r} yielded no usable documents ({read} read; rejected: {summary})")
+        raise CorpusError(
+            f"corpus {corpus_name!r} yielded no usable documents "
+            f"({read} read; rejected: {summary})"
+        )
     assert counts["read"] == counts["kept"] + sum(by_reason.values())
     return IngestResult(documents, reject_frame, counts)
+
+
+def check_corpus(corpus: str, fmt: CorpusFormat, cfg: IngestConfig) -> CorpusFormat:
+    """Fail fast, before any work, on a corpus that cannot be read: a missing path, a folder
+    without .txt files, a table without the text column (read from its header only)."""
+    kind = detect_format(corpus, fmt)
+    path = Path(corpus)
+    if kind == "folder":
+        if not path.is_dir():
+            raise CorpusError(f"corpus folder {corpus!r} does not exist or is not a folder")
+        if next((p for p in path.rglob("*.txt") if not p.is_dir()), None) is None:
+            raise CorpusError(f"corpus folder {corpus!r} holds no .txt files (expected <folder>/<label>/*.txt)")
+    elif kind == "table":
+        columns = _table_columns(path)
+        if cfg.text_column not in columns:
+            raise CorpusError(f"corpus table {corpus!r} has no {cfg.text_column!r} column (columns: "
+                              f"{', '.join(map(str, columns))}); set ingest.text_column")
+    return kind
+
+
+def _table_columns(path: Path) -> list[str]:
+    """Column names from a table's header (CSV), first record (JSONL) or schema (Parquet)."""
+    kind = TABLE_SUFFIXES.get(path.suffix.lower())
+    if kind is None:
+        raise CorpusError(f"table {str(path)!r} must end in one of {', '.join(sorted(TABLE_SUFFIXES))}")
+    if not path.is_file():
+        raise CorpusError(f"corpus table {str(path)!r} does not exist")
+    try:
+        if kind == "csv":
+            return list(pd.read_csv(path, nrows=0, encoding="utf-8", encoding_errors="surrogateescape").columns)
+        if kind == "jsonl":
+            first = pd.read_json(path, lines=True, nrows=1, dtype=False, encoding_errors="surrogateescape")
+            return list(first.columns)
+        import pyarrow.parquet as pq
+
+        return list(pq.read_schema(path).names)
+    except (ValueError, OSError, UnicodeError) as exc:
+        raise CorpusError(f"cannot read corpus table {str(path)!r} as {kind}: {str(exc).splitlines()[0]}") from None
 
 
 def ingest_corpus(corpus: str, fmt: CorpusFormat, cfg: IngestConfig) -> IngestResult:
@@ -245,7 +303,9 @@ def ingest_corpus(corpus: str, fmt: CorpusFormat, cfg: IngestConfig) -> IngestRe
 
 
 def corpus_fingerprint(corpus: str, fmt: CorpusFormat, cfg: IngestConfig) -> dict[str, object]:
-    """What identifies the corpus' current content cheaply: file sizes and mtimes, or library versions."""
+    """What identifies the corpus' current content cheaply.
+
+    File sizes and mtimes for a folder or table, library versions for pydocs."""
     kind = detect_format(corpus, fmt)
     if kind == "pydocs":
         from selfsup_model.pydocs import library_versions
@@ -253,6 +313,10 @@ def corpus_fingerprint(corpus: str, fmt: CorpusFormat, cfg: IngestConfig) -> dic
         return {"kind": kind, "libraries": library_versions(cfg.pydocs_libraries)}
     root = Path(corpus)
     paths = sorted(root.rglob("*")) if root.is_dir() else [root]
-    files = [(p.relative_to(root).as_posix() if root.is_dir() else p.name, p.stat().st_size, p.stat().st_mtime_ns)
-             for p in paths if p.is_file()]
-    return {"kind": kind, "path": str(root.resolve()), "files": len(files), "listing_sha256": sha256_json(files)}
+    files = [
+        (p.relative_to(root).as_posix() if root.is_dir() else p.name, p.stat().st_size,
+         p.stat().st_mtime_ns)
+        for p in paths if p.is_file()
+    ]
+    return {"kind": kind, "path": str(root.resolve()), "files": len(files),
+            "listing_sha256": sha256_json(files)}

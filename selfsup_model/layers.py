@@ -12,9 +12,8 @@ import math
 import keras
 from keras import layers, ops
 
+from selfsup_model.saving import serializable
 from selfsup_model.specials import PAD_ID
-
-_PACKAGE = "selfsup"
 
 
 def gelu(x):
@@ -29,7 +28,7 @@ def truncated_normal_init(stddev: float = 0.02) -> keras.initializers.Initialize
     return keras.initializers.TruncatedNormal(stddev=stddev)
 
 
-@keras.saving.register_keras_serializable(package=_PACKAGE)
+@serializable
 class PaddingMask(layers.Layer):
     """ids (B, L) -> bool (B, L), True at real tokens: the only source of key visibility."""
 
@@ -37,7 +36,7 @@ class PaddingMask(layers.Layer):
         return ops.not_equal(ids, PAD_ID)
 
 
-@keras.saving.register_keras_serializable(package=_PACKAGE)
+@serializable
 class TokenAndPositionEmbedding(layers.Layer):
     """Token lookup plus a learned absolute position vector: ids (B, L) -> (B, L, H)."""
 
@@ -79,7 +78,7 @@ class TokenAndPositionEmbedding(layers.Layer):
                 "max_len": self.max_len, "hidden": self.hidden}
 
 
-@keras.saving.register_keras_serializable(package=_PACKAGE)
+@serializable
 class TransformerEncoderBlock(layers.Layer):
     """Multi-head self-attention + position-wise FFN, each with dropout and a residual.
 

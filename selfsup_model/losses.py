@@ -12,6 +12,8 @@ import keras
 import numpy as np
 from keras import ops
 
+from selfsup_model.saving import serializable
+
 
 def weighted_ce_parts(targets, logits, weights):
     """(sum(w * ce), sum(w)) as float32 scalars; targets/weights (B, P), logits (B, P, V)."""
@@ -29,13 +31,20 @@ def safe_divide(numerator, denominator):
     return ops.where(positive, numerator / ops.where(positive, denominator, 1.0), 0.0)
 
 
-def token_weighted_loss(targets, logits, weights):
-    """sum(w * ce) / sum(w); a batch with sum(w) = 0 gives 0, not NaN (and no gradient)."""
+def token_weighted_loss(targets, logits, weights, metric: TokenWeightedLoss | None = None):
+    """sum(w * ce) / sum(w); a batch with sum(w) = 0 gives 0, not NaN (and no gradient).
+
+    This is the loss pretraining optimises (`PretrainingModel.compute_loss`).
+    With `metric`, the batch's two sums are also added to that running
+    `TokenWeightedLoss`, so reports can pool batches and divide once.
+    """
     loss_sum, weight_sum = weighted_ce_parts(targets, logits, weights)
+    if metric is not None:
+        metric.update_state(loss_sum, weight_sum)
     return safe_divide(loss_sum, weight_sum)
 
 
-@keras.saving.register_keras_serializable(package="selfsup")
+@serializable
 class TokenWeightedLoss(keras.metrics.Metric):
     """Accumulates loss*weight and weight (and unscored batches) between resets.
 

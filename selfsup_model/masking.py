@@ -47,7 +47,6 @@ from selfsup_model.specials import (
 DENSE_KEYS = ("input_ids", "target_ids", "loss_weights", "corruption")
 GATHERED_KEYS = ("mask_positions", "mask_ids", "mask_weights")
 MASK_KEYS = DENSE_KEYS + GATHERED_KEYS + ("num_eligible",)
-_TOP_BIT = np.uint64(1 << 63)
 # Fixed zip entry date (the zip epoch): two saves of the same arrays are byte-identical.
 _ZIP_DATE = (1980, 1, 1, 0, 0, 0)
 

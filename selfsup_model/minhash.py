@@ -1,26 +1,28 @@
-"""Vectorised shingling, MinHash signatures, LSH candidate pairs and exact Jaccard.
+"""Vectorised shingling, MinHash signatures and exact Jaccard verification of candidates.
 
-Shingles: a text is normalised (lowercase, whitespace runs collapsed to one
-space), then cut into character n-grams (default 5) or word n-grams. A text
-shorter than one shingle yields exactly one shingle: the whole text. Each
-shingle becomes a deterministic 32-bit id (a polynomial hash mod 2^64 of its
-code points or word hashes, then the murmur3 finaliser) - never Python's
-salted `hash()`, so ids are stable across processes.
+Shingles: a text is folded (`fold_for_shingling`: lowercase, whitespace runs
+collapsed to one space), then cut into character n-grams (default 5) or word
+n-grams. A text shorter than one shingle yields exactly one shingle: the whole
+text. Each shingle becomes a deterministic 32-bit id (a polynomial hash mod
+2^64 of its code points or word hashes, then the murmur3 finaliser) - never
+Python's salted `hash()`, so ids are stable across processes.
 
 Signatures follow datasketch's default `affine32` scheme: permutation i maps a
 shingle id x to (a_i * x + b_i) mod 2^32 with odd a_i (a bijection), and the
 signature keeps the minimum over the document's shingles. Everything is numpy
 over a whole batch: shingle ids are concatenated, hashed for all permutations
 at once and reduced per document with `np.minimum.reduceat`.
+
+Which pairs to check comes from LSH over the signatures (`selfsup_model.lsh`);
+each candidate's exact shingle Jaccard is then computed here, skipping pairs
+whose signature agreement already rules the threshold out.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from functools import lru_cache
 
 import numpy as np
-from datasketch.lsh import _optimal_param
 
 Progress = Callable[[int, int], None]
 
@@ -33,8 +35,11 @@ _CHAR_BUDGET = 1 << 18
 _GATHER_BUDGET = 1 << 20  # shingles gathered per Jaccard pass (~8 MiB of uint64 keys)
 
 
-def normalize_text(text: str) -> str:
-    """Lowercase and collapse every whitespace run to one space (no leading/trailing space)."""
+def fold_for_shingling(text: str) -> str:
+    """Lowercase and collapse every whitespace run to one space (no leading/trailing space).
+
+    The form that shingling and exact-duplicate detection compare; ingest's
+    `normalize_document` is a different, earlier clean-up that keeps case and lines."""
     return " ".join(text.lower().split())
 
 
@@ -46,13 +51,13 @@ def _fmix32(x: np.ndarray) -> np.ndarray:
     return (x & np.uint64(0xFFFF_FFFF)).astype(np.uint32)
 
 
-def _sorted_unique(x: np.ndarray) -> np.ndarray:
+def sorted_unique(x: np.ndarray) -> np.ndarray:
     """np.unique by sort + neighbour compare (numpy 2's hash-based unique is far slower here)."""
     x = np.sort(x)
     return x[np.r_[True, x[1:] != x[:-1]]] if len(x) else x
 
 
-def _ragged_arange(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+def ragged_arange(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """Concatenation of arange(s, s + l) for every (s, l): (sum(lengths),) int64."""
     lengths = np.asarray(lengths, dtype=np.int64)
     ends = np.cumsum(lengths)
@@ -73,7 +78,7 @@ def _budget_chunks(weights: np.ndarray, budget: int) -> list[tuple[int, int]]:
 
 
 def _word_tokens(texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-    """One 64-bit hash per word of normalised texts: (words,) uint64 and (n,) word counts."""
+    """One 64-bit hash per word of folded texts: (words,) uint64 and (n,) word counts."""
     counts = np.array([t.count(" ") + 1 if t else 0 for t in texts], dtype=np.int64)
     cp = np.frombuffer(
         " ".join(texts).encode("utf-32-le", "surrogatepass"), dtype=np.uint32
@@ -92,7 +97,7 @@ def _word_tokens(texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _char_tokens(texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-    """Code points of normalised texts: (chars,) uint64 and (n,) lengths."""
+    """Code points of folded texts: (chars,) uint64 and (n,) lengths."""
     lengths = np.array([len(t) for t in texts], dtype=np.int64)
     cp = np.frombuffer("".join(texts).encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
     return cp.astype(np.uint64), lengths
@@ -101,7 +106,7 @@ def _char_tokens(texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
 def shingle_ids(
     texts: Sequence[str], kind: str = "char", size: int = 5
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Shingle ids of normalised texts: ids (S,) uint32 and offsets (n + 1,) int64.
+    """Shingle ids of folded texts: ids (S,) uint32 and offsets (n + 1,) int64.
 
     Document d owns ids[offsets[d]:offsets[d + 1]] (in text order, repeats kept);
     every document owns at least one id.
@@ -117,23 +122,23 @@ def shingle_ids(
     block = np.maximum(counts, 1) + size - 1
     block_start = np.cumsum(block) - block
     padded = np.full(int(block.sum()), _PAD, dtype=np.uint64)
-    padded[_ragged_arange(block_start, counts)] = tokens
+    padded[ragged_arange(block_start, counts)] = tokens
     width = len(padded) - size + 1
     poly = np.zeros(width, dtype=np.uint64)  # (positions,) polynomial hash of every window
     for j in range(size):
         poly = poly * _BASE + padded[j : j + width]
     n_windows = np.maximum(counts - size + 1, 1)
-    ids = _fmix32(poly[_ragged_arange(block_start, n_windows)])
+    ids = _fmix32(poly[ragged_arange(block_start, n_windows)])
     return ids, np.r_[0, np.cumsum(n_windows)].astype(np.int64)
 
 
 def shingle_sets(
     texts: Sequence[str], kind: str = "char", size: int = 5
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Sorted unique shingle ids per normalised text: values (U,) uint32, offsets (n + 1,)."""
+    """Sorted unique shingle ids per folded text: values (U,) uint32, offsets (n + 1,)."""
     ids, offsets = shingle_ids(texts, kind, size)
     doc = np.repeat(np.arange(len(texts), dtype=np.uint64), np.diff(offsets))
-    key = _sorted_unique((doc << np.uint64(32)) | ids)  # (U,) sorted by (document, id)
+    key = sorted_unique((doc << np.uint64(32)) | ids)  # (U,) sorted by (document, id)
     doc_of = (key >> np.uint64(32)).astype(np.int64)
     values = (key & np.uint64(0xFFFF_FFFF)).astype(np.uint32)
     return values, np.searchsorted(doc_of, np.arange(len(texts) + 1)).astype(np.int64)
@@ -178,11 +183,11 @@ def minhash_signatures(
     batch_size: int = 2048,
     progress: Progress | None = None,
 ) -> np.ndarray:
-    """MinHash signatures of raw texts (normalised here): (n, num_perm) uint32."""
+    """MinHash signatures of raw texts (folded here): (n, num_perm) uint32."""
     a, b = permutations(num_perm, seed)
     sig = np.empty((len(texts), num_perm), dtype=np.uint32)
     for lo in range(0, len(texts), batch_size):
-        batch = [normalize_text(t) for t in texts[lo : lo + batch_size]]
+        batch = [fold_for_shingling(t) for t in texts[lo : lo + batch_size]]
         # A batch of long documents is cut further so shingling transients stay bounded.
         for start, stop in _budget_chunks(np.array([len(t) for t in batch]), _CHAR_BUDGET):
             ids, offsets = shingle_ids(batch[start:stop], kind, size)
@@ -190,81 +195,6 @@ def minhash_signatures(
         if progress is not None:
             progress(lo + len(batch), len(texts))
     return sig
-
-
-# Every candidate is verified exactly, so a false positive costs one Jaccard
-# computation while a false negative silently loses a duplicate (or lets a
-# near-copy leak across splits): misses are weighted 19 to 1.
-MISS_WEIGHT = 0.95
-
-
-@lru_cache(maxsize=64)
-def lsh_params(
-    threshold: float, num_perm: int, miss_weight: float = MISS_WEIGHT
-) -> tuple[int, int]:
-    """(bands, rows) minimising the weighted false-positive + false-negative areas (datasketch)."""
-    return _optimal_param(threshold, num_perm, 1.0 - miss_weight, miss_weight)
-
-
-def _band_keys(signatures: np.ndarray, bands: int, rows: int) -> np.ndarray:
-    """One 64-bit key per (band, document): (bands, n) uint64.
-
-    Key collisions only add candidates, and every candidate is verified."""
-    sig = signatures[:, : bands * rows].reshape(len(signatures), bands, rows)  # a view
-    keys = np.zeros((bands, len(signatures)), dtype=np.uint64)
-    for r in range(rows):
-        row = sig[:, :, r].T.astype(np.uint64)  # (bands, n): one row at a time keeps memory small
-        keys = (keys ^ row) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(r + 1)
-    return keys ^ (keys >> np.uint64(29))
-
-
-def _pairs_in_runs(keys: np.ndarray) -> np.ndarray:
-    """All (i, j) pairs of positions whose keys are equal: (m, 2) int64."""
-    order = np.argsort(keys, kind="stable")
-    k = keys[order]
-    new_run = np.r_[True, k[1:] != k[:-1]]
-    run_end = np.r_[np.flatnonzero(new_run)[1:], len(k)][np.cumsum(new_run) - 1]
-    after = run_end - np.arange(len(k)) - 1  # members of the run after this position
-    idx = np.flatnonzero(after > 0)
-    out, step = [], 1
-    while len(idx):  # step d pairs every member with the one d places later in its run
-        out.append(np.stack([order[idx], order[idx + step]], axis=1))
-        step += 1
-        idx = idx[after[idx] >= step]
-    return np.concatenate(out) if out else np.empty((0, 2), dtype=np.int64)
-
-
-def candidate_pairs(
-    signatures: np.ndarray, threshold: float, bands_rows: tuple[int, int] | None = None
-) -> np.ndarray:
-    """LSH candidate pairs within one set: (m, 2) int64, i < j, sorted, unique."""
-    n = len(signatures)
-    bands, rows = bands_rows or lsh_params(threshold, signatures.shape[1])
-    found = [_pairs_in_runs(keys) for keys in _band_keys(signatures, bands, rows)]
-    pairs = np.concatenate(found) if found else np.empty((0, 2), dtype=np.int64)
-    code = _sorted_unique(
-        np.minimum(pairs[:, 0], pairs[:, 1]) * n + np.maximum(pairs[:, 0], pairs[:, 1])
-    )
-    return np.stack([code // n, code % n], axis=1) if n else np.empty((0, 2), dtype=np.int64)
-
-
-def cross_candidate_pairs(
-    index_sig: np.ndarray, query_sig: np.ndarray, threshold: float, miss_weight: float = MISS_WEIGHT
-) -> np.ndarray:
-    """LSH candidates (query_row, index_row) between two sets: (m, 2) int64, sorted, unique."""
-    bands, rows = lsh_params(threshold, index_sig.shape[1], miss_weight)
-    n_index = max(len(index_sig), 1)
-    index_keys = _band_keys(index_sig, bands, rows)
-    query_keys = _band_keys(query_sig, bands, rows)
-    codes = []
-    for ik, qk in zip(index_keys, query_keys, strict=True):
-        order = np.argsort(ik, kind="stable")
-        lo = np.searchsorted(ik[order], qk, side="left")
-        hi = np.searchsorted(ik[order], qk, side="right")
-        q = np.repeat(np.arange(len(qk)), hi - lo)
-        codes.append(q * n_index + order[_ragged_arange(lo, hi - lo)])
-    code = _sorted_unique(np.concatenate(codes)) if codes else np.empty(0, dtype=np.int64)
-    return np.stack([code // n_index, code % n_index], axis=1)
 
 
 def pair_jaccard(
@@ -277,7 +207,7 @@ def pair_jaccard(
         lft, rgt = left[lo:hi], right[lo:hi]
         both = np.r_[lft, rgt]
         pair = np.r_[np.arange(len(lft)), np.arange(len(rgt))].astype(np.uint64)
-        vals = values[_ragged_arange(offsets[both], sizes[both])]
+        vals = values[ragged_arange(offsets[both], sizes[both])]
         key = np.sort((np.repeat(pair, sizes[both]) << np.uint64(32)) | vals)  # (pair, id)
         # Each set is unique, so an equal neighbour is one shingle shared by the pair.
         shared = key[1:][key[1:] == key[:-1]] >> np.uint64(32)
@@ -297,11 +227,11 @@ def verify_pairs(
     """
     if not len(pairs):
         return np.empty(0, dtype=np.float64)
-    involved = _sorted_unique(pairs.ravel())  # (k,) sorted document indices
-    raw_lengths = np.array([len(texts[i]) for i in involved])  # bound the normalised ones
+    involved = sorted_unique(pairs.ravel())  # (k,) sorted document indices
+    raw_lengths = np.array([len(texts[i]) for i in involved])  # bound the folded ones
     parts, sizes = [], []
     for lo, hi in _budget_chunks(raw_lengths, _CHAR_BUDGET):
-        chunk = [normalize_text(texts[i]) for i in involved[lo:hi]]
+        chunk = [fold_for_shingling(texts[i]) for i in involved[lo:hi]]
         values, offsets = shingle_sets(chunk, kind, size)
         parts.append(values)
         sizes.append(np.diff(offsets))

@@ -27,11 +27,11 @@ from selfsup_model.layers import (
     gelu,
     truncated_normal_init,
 )
-from selfsup_model.losses import TokenWeightedLoss, safe_divide, weighted_ce_parts
+from selfsup_model.losses import TokenWeightedLoss, token_weighted_loss
+from selfsup_model.saving import serializable
 
 EMBEDDING_LAYER = "embeddings"
 OBJECTIVES = ("mlm", "clm")
-_register = keras.saving.register_keras_serializable(package="selfsup")
 
 
 def build_backbone(vocab_size: int, max_len: int, cfg: ModelConfig, causal: bool = False,
@@ -56,7 +56,7 @@ def token_embedding_of(backbone: keras.Model) -> TokenAndPositionEmbedding:
     return backbone.get_layer(EMBEDDING_LAYER)
 
 
-@_register
+@serializable
 class CausalLMHead(layers.Layer):
     """states (B, L, H) -> logits (B, L, V): dense + gelu + LayerNorm, then the vocabulary projection.
 
@@ -111,7 +111,7 @@ class CausalLMHead(layers.Layer):
                 "tie_embeddings": self.tie_embeddings, "epsilon": self.epsilon}
 
 
-@_register
+@serializable
 class MaskedLMHead(CausalLMHead):
     """states (B, L, H) [+ mask_positions (B, P)] -> logits (B, P, V) [or (B, L, V)].
 
@@ -140,7 +140,7 @@ def _make_head(objective: str, backbone: keras.Model, tie_embeddings: bool, name
                token_embedding=embedding, dtype=embedding.dtype_policy, name=name or f"{objective}_head")
 
 
-@_register
+@serializable
 class PretrainingModel(keras.Model):
     """The model `fit` trains. mlm: {input_ids (B, L), mask_positions (B, P)} -> (B, P, V);
     clm: {input_ids (B, L-1)} -> (B, L-1, V).
@@ -169,10 +169,8 @@ class PretrainingModel(keras.Model):
     def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
         if sample_weight is None:
             raise ValueError("pretraining needs per-token weights: fit on (x, targets, weights)")
-        loss_sum, weight_sum = weighted_ce_parts(y, y_pred, sample_weight)
-        self.token_loss.update_state(loss_sum, weight_sum)
         # A batch with nothing scored gives 0 (no NaN, no gradient); the metric counts it.
-        return safe_divide(loss_sum, weight_sum)
+        return token_weighted_loss(y, y_pred, sample_weight, metric=self.token_loss)
 
     def get_config(self):
         return {"backbone": keras.saving.serialize_keras_object(self.backbone),
@@ -187,7 +185,7 @@ class PretrainingModel(keras.Model):
         return cls(**config)
 
 
-@_register
+@serializable
 class PretrainExportModel(keras.Model):
     """`pretrain_model.keras`: ids (B, L) -> logits (B, L, V) on every position, sharing the
     trained backbone and head objects (no copies of their weights)."""
@@ -220,13 +218,3 @@ def build_pretraining_model(backbone: keras.Model, objective: str, cfg: ModelCon
 def build_pretrain_export_model(backbone: keras.Model, head: CausalLMHead, objective: str) -> PretrainExportModel:
     """ids (B, L) -> logits (B, L, V) over the trained layers (see `PretrainExportModel`)."""
     return PretrainExportModel(backbone, head, objective=objective, name=f"{objective}_pretrain_model")
-
-
-
-def load_keras_model(path) -> keras.Model:
-    """Load an `encoder.keras` / `pretrain_model.keras` / checkpoint with safe_mode=True.
-
-    Importing this module registers every custom class those files name, which
-    a bare `keras.saving.load_model` in a fresh process would not find.
-    """
-    return keras.saving.load_model(path, safe_mode=True)

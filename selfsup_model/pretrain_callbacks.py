@@ -25,24 +25,11 @@ from typing import Any
 
 import keras
 
-from selfsup_model.artifacts import atomic_write_json
+from selfsup_model.artifacts import atomic_write_json, save_keras_atomic
 
 LATEST = "latest.json"
 JOURNAL = "reported_steps.txt"
 LogFn = Callable[[dict[str, float], int], None]
-
-
-def save_keras_atomic(model: keras.Model, path: str | os.PathLike) -> Path:
-    """model.save to a temp `.keras` name beside `path`, then os.replace."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}.keras")  # save() insists on .keras
-    try:
-        model.save(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
 
 
 def rng_state(model: keras.Model) -> dict[str, list[int]]:

@@ -18,10 +18,10 @@ import keras
 import numpy as np
 
 from selfsup_model.config import MaskingConfig, PretrainConfig
-from selfsup_model.encoding import causal_lm_batch
 from selfsup_model.errors import UserError
 from selfsup_model.masking import mask_tokens
-from selfsup_model.specials import NUM_SPECIAL, PAD_ID
+from selfsup_model.specials import NUM_SPECIAL
+from selfsup_model.windows import causal_lm_batch
 
 # Independent random streams per purpose, so the pass order and the corruption
 # of equal-numbered passes/steps are not the same numbers.
@@ -109,34 +109,3 @@ class PretrainBatches(keras.utils.PyDataset):
         rows = [mask_tokens(ids[i:i + 1], np.random.default_rng([self.seed, _STATIC_STREAM, int(w)]),
                             self.masking, self.vocab_size) for i, w in enumerate(index)]
         return {key: np.concatenate([r[key] for r in rows]) for key in rows[0]}
-
-
-def unigram_log_probs(windows, vocab_size: int, objective: str, chunk: int = 4096) -> np.ndarray:
-    """(V,) float64 log-probabilities of the training split's add-one-smoothed unigram model.
-
-    Counted over the tokens that can be targets: non-special ids for mlm; for
-    clm every real id of the framing the causal batches use ([BOS]/[EOS]).
-    """
-    counts = np.zeros(vocab_size, dtype=np.float64)
-    for start in range(0, len(windows), chunk):
-        block = np.asarray(windows[start:start + chunk], dtype=np.int64)
-        if objective == "clm":
-            block = causal_lm_batch(block)["target_ids"]
-            keep = block != PAD_ID
-        else:
-            keep = block >= NUM_SPECIAL
-        counts += np.bincount(block[keep], minlength=vocab_size)[:vocab_size]
-    if objective == "mlm":
-        # Targets are never special, so the specials get no mass (smoothing included).
-        counts[:NUM_SPECIAL] = -1.0
-    counts += 1.0
-    return np.log(counts / counts.sum(), where=counts > 0, out=np.full(vocab_size, -np.inf))
-
-
-def unigram_baseline_loss(log_probs: np.ndarray, targets, weights) -> float:
-    """Token-weighted cross-entropy of predicting `targets` with a fixed distribution."""
-    weights = np.asarray(weights, dtype=np.float64)
-    total = weights.sum()
-    if total <= 0:
-        return float("nan")
-    return float(-(weights * np.where(weights != 0, log_probs[np.asarray(targets)], 0.0)).sum() / total)

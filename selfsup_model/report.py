@@ -19,12 +19,11 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
 
-from selfsup_model.artifacts import atomic_path, atomic_write_json, atomic_write_text
+from selfsup_model.artifacts import atomic_write_json, atomic_write_text
 from selfsup_model.errors import UserError
-from selfsup_model.metrics import accuracy, bootstrap_ci, confusion, macro_f1
+from selfsup_model.metrics import accuracy, bootstrap_ci, macro_f1
+from selfsup_model.plots import plot_confusion, plot_fraction_curves
 
 PREDICTION_COLUMNS = ("id", "method", "fraction", "label", "prediction")
 REQUIRED_RESULT_KEYS = ("method", "fraction", "test_accuracy", "test_macro_f1")
@@ -128,48 +127,6 @@ def best_result(results: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
     return max(results, key=lambda r: (float(r["test_macro_f1"]), float(r["fraction"])))
 
 
-def plot_fraction_curves(results: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
-    """Test macro-F1 vs label fraction, one line per method, with bootstrap-interval error bars."""
-    fig = Figure(figsize=(6, 4))
-    ax = fig.add_subplot()
-    methods = list(dict.fromkeys(str(r["method"]) for r in results))
-    for method in methods:
-        rows = sorted((r for r in results if str(r["method"]) == method), key=lambda r: float(r["fraction"]))
-        x = np.array([float(r["fraction"]) for r in rows])
-        y = np.array([float(r["test_macro_f1"]) for r in rows])
-        ci = np.array([r.get("test_macro_f1_ci") or (v, v) for r, v in zip(rows, y)], dtype=float)  # (n, 2)
-        yerr = np.stack([y - ci[:, 0], ci[:, 1] - y])  # (2, n): distances below and above
-        ax.errorbar(x, y, yerr=np.clip(yerr, 0, None), marker="o", capsize=3, label=method)
-    fractions = [float(r["fraction"]) for r in results]
-    if max(fractions) / min(fractions) >= 10:
-        ax.set_xscale("log")
-    ax.set_xlabel("label fraction of the training split")
-    ax.set_ylabel("test macro-F1 (95% bootstrap CI)")
-    ax.legend(fontsize="small")
-    ax.grid(alpha=0.3)
-    return _save(fig, path)
-
-
-def plot_confusion(y_true, y_pred, labels: Sequence, title: str, path: str | Path) -> Path:
-    matrix = confusion(y_true, y_pred, labels)  # (K, K) rows = true
-    k = len(labels)
-    fig = Figure(figsize=(max(4, 0.5 * k + 2), max(3.5, 0.5 * k + 1.5)))
-    ax = fig.add_subplot()
-    image = ax.imshow(matrix, cmap="Blues")
-    fig.colorbar(image, ax=ax)
-    ax.set_xticks(range(k), [str(label) for label in labels], rotation=45, ha="right")
-    ax.set_yticks(range(k), [str(label) for label in labels])
-    ax.set_xlabel("predicted")
-    ax.set_ylabel("true")
-    ax.set_title(title, fontsize="small")
-    if k <= 20:  # counts stay legible only for small label sets
-        dark = matrix > matrix.max() / 2  # white digits on dark cells
-        for i, j in np.ndindex(matrix.shape):
-            ax.text(j, i, str(matrix[i, j]), ha="center", va="center", fontsize=7,
-                    color="white" if dark[i, j] else "black")
-    return _save(fig, path)
-
-
 # ---------------------------------------------------------------- internals
 
 
@@ -233,10 +190,3 @@ def _json_safe(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None
     return value
-
-
-def _save(fig: Figure, path: str | Path) -> Path:
-    FigureCanvasAgg(fig)  # attaches an Agg canvas: no pyplot, no global backend switch
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight")
-    return Path(path)

@@ -7,8 +7,6 @@ to the trainer in this order, which pins the ids below.
 
 from __future__ import annotations
 
-import numpy as np
-
 PAD, UNK, CLS, SEP, MASK, BOS, EOS = "[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "[BOS]", "[EOS]"
 SPECIAL_TOKENS: tuple[str, ...] = (PAD, UNK, CLS, SEP, MASK, BOS, EOS)
 
@@ -25,7 +23,3 @@ SPECIAL_IDS: tuple[int, ...] = tuple(range(NUM_SPECIAL))
 # Corruption kinds stored per position in val_masks.npz.
 CORRUPT_NONE, CORRUPT_MASK, CORRUPT_RANDOM, CORRUPT_UNCHANGED = 0, 1, 2, 3
 
-
-def special_id_array() -> np.ndarray:
-    """Special ids as an int32 array, for vectorised membership tests."""
-    return np.asarray(SPECIAL_IDS, dtype=np.int32)

@@ -1,4 +1,4 @@
-"""Leak-safe train/val/test assignment of the kept documents, and its audit.
+"""Leak-safe train/val/test assignment of the kept documents (audited by `leakage`).
 
 A split unit is a connected component of: documents sharing a dedup cluster,
 documents whose exact shingle Jaccard is >= `relatedness_threshold` (LSH
@@ -24,27 +24,14 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from selfsup_model.config import DedupConfig, SplitConfig
-from selfsup_model.dedup import components, first_seen_ids
-from selfsup_model.errors import UserError
-from selfsup_model.minhash import (
-    Progress,
-    candidate_pairs,
-    cross_candidate_pairs,
-    lsh_params,
-    verify_candidates,
-)
+from selfsup_model.config import SPLITS, DedupConfig, SplitConfig
+from selfsup_model.errors import ArtifactError, UserError
+from selfsup_model.graph import components, first_seen_ids, same_code_pairs, value_codes
+from selfsup_model.leakage import leakage_audit
+from selfsup_model.lsh import UNIT_MISS_WEIGHT, candidate_pairs, lsh_params
+from selfsup_model.minhash import Progress, verify_candidates
 
-SPLITS = ("train", "val", "test")
 ASSIGNMENT_COLUMNS = ("id", "split", "cluster_id", "unit_id", "group")
-_MAX_EXAMPLES = 10
-# Related pairs decide the split, so unit building weighs LSH misses 99:1 against extra candidates
-# (verification removes those): at a 0.5 threshold and 128 permutations that is 39 bands of 3
-# rows, and a J=0.5 pair becomes a candidate with probability 0.995.
-UNIT_MISS_WEIGHT = 0.99
-# The audit bands a seeded reordering of the signature columns, so its bands are different
-# triples of permutations: a pair unit building missed gets an independent second chance.
-AUDIT_COLUMN_SEED = 20240601
 
 
 @dataclass(frozen=True, eq=False)
@@ -57,20 +44,6 @@ class SplitResult:
     audit: dict[str, Any] = field(default_factory=dict)
 
 
-def _codes(values: Sequence[Any]) -> np.ndarray:
-    """Integer code per value, -1 for None/NaN: (n,) int64."""
-    return pd.factorize(pd.Series(list(values), dtype=object), sort=False)[0].astype(np.int64)
-
-
-def _same_code_pairs(codes: np.ndarray) -> np.ndarray:
-    """Star edges joining every document to the first one with its code (codes >= 0): (m, 2)."""
-    idx = np.flatnonzero(codes >= 0)
-    _, first = np.unique(codes[idx], return_index=True)
-    head = np.full(codes.max(initial=-1) + 1, -1, dtype=np.int64)
-    head[codes[idx[first]]] = idx[first]
-    return np.stack([idx, head[codes[idx]]], axis=1)
-
-
 def build_units(
     texts: Sequence[str],
     groups: Sequence[str | None],
@@ -81,12 +54,13 @@ def build_units(
 ) -> tuple[np.ndarray, dict[str, int]]:
     """Split unit per document, numbered in first-seen order (n,) int64, and link counts."""
     threshold = cfg.relatedness_threshold
-    cand = candidate_pairs(signatures, threshold, lsh_params(threshold, signatures.shape[1], UNIT_MISS_WEIGHT))
+    bands_rows = lsh_params(threshold, signatures.shape[1], UNIT_MISS_WEIGHT)
+    cand = candidate_pairs(signatures, threshold, bands_rows)
     kind, size = dedup_cfg.shingle, dedup_cfg.shingle_size
     related, _, skipped = verify_candidates(texts, signatures, cand, threshold, kind, size)
-    edges = [related, _same_code_pairs(np.asarray(cluster_ids, dtype=np.int64))]
+    edges = [related, same_code_pairs(np.asarray(cluster_ids, dtype=np.int64))]
     if cfg.use_groups:
-        edges.append(_same_code_pairs(_codes(groups)))
+        edges.append(same_code_pairs(value_codes(groups)))
     unit = first_seen_ids(components(len(texts), np.concatenate(edges)))
     links = {
         "candidate_pairs": len(cand),
@@ -264,83 +238,19 @@ def _counts(frame, labels, split_of_unit, links, audit) -> dict[str, Any]:
     }
 
 
-def leakage_audit(
-    ids: Sequence[str],
-    texts: Sequence[str],
-    splits: Sequence[str],
-    groups: Sequence[str | None],
-    signatures: np.ndarray,
-    cfg: SplitConfig,
-    dedup_cfg: DedupConfig,
-) -> dict[str, Any]:
-    """Near-duplicates of train documents in val/test, and groups split across sides.
+def documents_in_split(
+    documents: pd.DataFrame, assignments: pd.DataFrame, split: str
+) -> pd.DataFrame:
+    """The rows of `documents` (an "id" column) that `assignments` puts in `split`.
 
-    Train signatures are indexed by LSH at `relatedness_threshold`; every
-    val/test document queries it and each candidate is verified with its exact
-    Jaccard. Its bands group the signature columns differently from unit
-    building's (AUDIT_COLUMN_SEED), so a related pair that unit building's LSH
-    happened to miss is still likely to be caught: a second look, not the same
-    look twice. With audit_action 'fail' any finding raises UserError; with 'warn'
-    the audit's `message` says what was found. Groups count only with use_groups.
-    """
-    split = np.asarray(list(splits), dtype=object)
-    train, query = np.flatnonzero(split == "train"), np.flatnonzero(split != "train")
-    columns = np.random.default_rng(AUDIT_COLUMN_SEED).permutation(signatures.shape[1])
-    regrouped = signatures[:, columns]  # (n, num_perm): same hashes, different band triples
-    cand = cross_candidate_pairs(regrouped[train], regrouped[query], cfg.relatedness_threshold,
-                                 miss_weight=UNIT_MISS_WEIGHT)
-    pairs = np.stack([query[cand[:, 0]], train[cand[:, 1]]], axis=1)  # (m, 2) query, train
-    kind, size = dedup_cfg.shingle, dedup_cfg.shingle_size
-    leaks, jac, _ = verify_candidates(
-        texts, signatures, pairs, cfg.relatedness_threshold, kind, size
-    )
-    worst = np.lexsort((leaks[:, 1], leaks[:, 0], -jac))[:_MAX_EXAMPLES]
-    examples = [
-        {
-            "id": str(ids[q]),
-            "train_id": str(ids[t]),
-            "split": str(split[q]),
-            "jaccard": round(float(j), 6),
-        }
-        for (q, t), j in zip(leaks[worst], jac[worst], strict=True)
-    ]
-    spread = pd.DataFrame({"group": pd.Series(list(groups), dtype=object), "split": split}).dropna()
-    per_group = spread.groupby("group")["split"].unique()
-    crossing = per_group[per_group.map(len) > 1].sort_index()
-    group_examples = [
-        {"group": str(g), "splits": sorted(s)} for g, s in crossing[:_MAX_EXAMPLES].items()
-    ]
-    audit = {
-        "threshold": cfg.relatedness_threshold,
-        "candidate_pairs": len(cand),
-        "related_pairs": len(leaks),
-        "related_examples": examples,
-        "groups_checked": cfg.use_groups,
-        "groups_across_splits": len(crossing),
-        "group_examples": group_examples,
-    }
-    found = len(leaks) > 0 or (cfg.use_groups and len(crossing) > 0)
-    audit["passed"] = not found
-    audit["message"] = _audit_message(audit) if found else None
-    if found and cfg.audit_action == "fail":
-        raise UserError(audit["message"] + "; set split.audit_action=warn to continue anyway")
-    return audit
-
-
-def _audit_message(audit: dict[str, Any]) -> str:
-    parts = []
-    if audit["related_pairs"]:
-        shown = ", ".join(
-            f"{e['id']} ~ {e['train_id']} (J={e['jaccard']:.2f})"
-            for e in audit["related_examples"][:3]
+    Same columns as `documents`, rows in assignment order (so deterministic), index reset;
+    a split with no documents (or an unknown name) gives an empty frame."""
+    ids = assignments.loc[assignments["split"] == split, "id"]
+    rows = pd.Index(documents["id"]).get_indexer(ids)
+    if (rows < 0).any():
+        raise ArtifactError(
+            f"{int((rows < 0).sum())} {split} id(s) of the split assignments are not among the "
+            f"documents, e.g. {ids[rows < 0].iloc[0]!r}: they come from another corpus; "
+            "rerun the split stage"
         )
-        parts.append(
-            f"{audit['related_pairs']} val/test-train pair(s) at Jaccard >= "
-            f"{audit['threshold']:g}, e.g. {shown}"
-        )
-    if audit["groups_checked"] and audit["groups_across_splits"]:
-        shown = ", ".join(
-            f"{e['group']} in {'+'.join(e['splits'])}" for e in audit["group_examples"][:3]
-        )
-        parts.append(f"{audit['groups_across_splits']} group(s) span several splits, e.g. {shown}")
-    return "leakage audit failed: " + "; ".join(parts)
+    return documents.iloc[rows].reset_index(drop=True)

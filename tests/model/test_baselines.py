@@ -3,10 +3,10 @@ import pytest
 from sklearn.feature_extraction.text import TfidfVectorizer
 from sklearn.linear_model import LogisticRegression
 
-from selfsup_model.baselines import majority_class, tfidf_logreg
+from selfsup_model.baselines import logreg_on_features, majority_class, tfidf_logreg
 from selfsup_model.config import BaselineConfig
 from selfsup_model.errors import UserError
-from selfsup_model.metrics import macro_f1
+from selfsup_model.metrics import accuracy, macro_f1
 
 FILLER = ["alpha", "beta", "gamma", "delta", "omega", "sigma"]
 
@@ -76,3 +76,75 @@ def test_majority_class():
     np.testing.assert_array_equal(majority_class([2, 1, 1, 2], 2), [1, 1])
     with pytest.raises(UserError, match="non-empty"):
         majority_class([], 3)
+
+
+def test_tfidf_is_logreg_on_features_at_the_chosen_ngram_range():
+    train_x, train_y = order_corpus(60, 0)
+    val_x, val_y = order_corpus(20, 1)
+    test_x, _ = order_corpus(20, 2)
+    a = tfidf_logreg(train_x, train_y, val_x, val_y, {"test": test_x, "none": []}, CFG)
+    vec = TfidfVectorizer(ngram_range=(1, a.params["ngram_max"]), sublinear_tf=True).fit(train_x)
+    b = logreg_on_features(vec.transform(train_x), train_y, vec.transform(val_x), val_y,
+                           {"test": vec.transform(test_x)}, CFG.tfidf_c)
+    assert a.params == {**b.params, "ngram_max": 2} and a.val_macro_f1 == b.val_macro_f1
+    assert [g for g in a.grid if g["ngram_max"] == 2] == [{**g, "ngram_max": 2} for g in b.grid]
+    np.testing.assert_array_equal(a.val_predictions, b.val_predictions)
+    np.testing.assert_array_equal(a.predictions["test"], b.predictions["test"])
+    assert a.predictions["none"].shape == (0,) and a.predictions["none"].dtype == train_y.dtype
+
+
+# ---------------------------------------------------------------- logistic regression on features
+
+
+def probe_data(seed=0):
+    """Two overlapping Gaussian blobs in 6 dims: close enough that C changes the val score."""
+    rng = np.random.default_rng(seed)
+
+    def blob(n):
+        y = np.arange(n) % 2
+        return rng.normal(size=(n, 6)) + y[:, None] * np.array([1.5, -1.5, 0, 0, 0, 0]), y
+
+    return blob(40), blob(30), blob(20)
+
+
+def test_logreg_on_features_selects_c_on_validation_only():
+    (tr, tr_y), (va, va_y), (te, te_y) = probe_data()
+    grid = (0.001, 0.1, 10.0)
+    a = logreg_on_features(tr, tr_y, va, va_y, {"test": te}, grid)
+    b = logreg_on_features(tr, tr_y, va, va_y, {"test": te[:3] * 100.0, "other": te[::-1]}, grid)
+    assert a.params == b.params and a.grid == b.grid
+    scores = [g["val_macro_f1"] for g in a.grid]
+    assert [g["C"] for g in a.grid] == sorted(grid) and len(set(scores)) > 1  # C matters here
+    # The first (smallest) C with the best validation score, whatever the eval sets hold.
+    assert a.params["C"] == sorted(grid)[scores.index(max(scores))]
+    assert a.val_macro_f1 == max(scores)
+    assert a.predictions["test"].shape == (20,) and set(a.predictions) == {"test"}
+    assert accuracy(te_y, a.predictions["test"]) > 0.6
+    np.testing.assert_array_equal(b.predictions["other"], a.predictions["test"][::-1])
+    clf = LogisticRegression(C=a.params["C"], max_iter=2000).fit(tr, tr_y)
+    np.testing.assert_array_equal(a.val_predictions, clf.predict(va))
+    assert a.fit_time_s > 0
+
+
+def test_logreg_on_features_tie_keeps_smaller_c_and_rejects_bad_input():
+    (tr, tr_y), _, _ = probe_data()
+    # Validation = training blobs far apart: every C scores 1.0, so the smallest must win.
+    far = tr + tr_y[:, None] * 50.0
+    assert logreg_on_features(far, tr_y, far, tr_y, {}, (10.0, 1.0)).params == {"C": 1.0}
+    with pytest.raises(UserError, match="sentence probe: the training set holds a single label"):
+        logreg_on_features(tr, np.zeros(40, int), tr, tr_y, {}, (1.0,), what="sentence probe")
+    with pytest.raises(UserError, match="widths"):
+        logreg_on_features(tr, tr_y, tr[:, :3], tr_y, {}, (1.0,))
+    with pytest.raises(UserError, match="widths"):
+        logreg_on_features(tr, tr_y, tr, tr_y, {"test": tr[:, :3]}, (1.0,))
+    with pytest.raises(UserError, match="validation set is empty"):
+        logreg_on_features(tr, tr_y, tr[:0], tr_y[:0], {}, (1.0,))
+    with pytest.raises(UserError, match="differ in length"):
+        logreg_on_features(tr, tr_y[:-1], tr, tr_y, {}, (1.0,))
+    with pytest.raises(UserError, match="C grid"):
+        logreg_on_features(tr, tr_y, tr, tr_y, {}, ())
+    with pytest.raises(UserError, match=r"\(n, dim\)"):
+        logreg_on_features(tr[:, 0], tr_y, tr, tr_y, {}, (1.0,))
+    # An empty eval set is fine: it gets an empty prediction of the labels' dtype.
+    empty = logreg_on_features(tr, tr_y, tr, tr_y, {"none": []}, (1.0,)).predictions["none"]
+    assert empty.shape == (0,) and empty.dtype == tr_y.dtype

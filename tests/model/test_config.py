@@ -1,7 +1,7 @@
 import pytest
 
-from selfsup_model.config import PRESETS, build_config, parse_override
 from selfsup_model.errors import UserError
+from selfsup_model.presets import PRESETS, build_config, parse_override
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))

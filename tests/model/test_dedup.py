@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from selfsup_model import dedup, minhash
+from selfsup_model import dedup, lsh, minhash
 from selfsup_model.config import DedupConfig
 from selfsup_model.dedup import find_duplicates
 from selfsup_model.errors import UserError
@@ -43,8 +43,8 @@ def all_pairs(signatures, threshold):
 # --- shingling and signatures -------------------------------------------------------------
 
 
-def test_normalisation_lowercases_and_collapses_whitespace():
-    assert minhash.normalize_text("  Hello\n\tWORLD  again ") == "hello world again"
+def test_folding_lowercases_and_collapses_whitespace():
+    assert minhash.fold_for_shingling("  Hello\n\tWORLD  again ") == "hello world again"
 
 
 def test_shingle_counts_and_short_texts_yield_one_shingle():
@@ -86,7 +86,7 @@ def test_signatures_match_brute_force_across_chunks_and_batches(monkeypatch):
     monkeypatch.setattr(minhash, "_CHUNK_ELEMENTS", 16 * 7)  # 7 shingles a chunk: docs span chunks
     texts = ["alpha beta gamma delta", "x", "the same text the same text", ""]
     sig = minhash.minhash_signatures(texts, num_perm=16, seed=3, batch_size=3)
-    ids, offsets = minhash.shingle_ids([minhash.normalize_text(t) for t in texts], "char", 5)
+    ids, offsets = minhash.shingle_ids([minhash.fold_for_shingling(t) for t in texts], "char", 5)
     a, b = minhash.permutations(16, 3)
     for d in range(len(texts)):
         x = ids[offsets[d] : offsets[d + 1]]
@@ -102,8 +102,8 @@ def test_signature_agreement_estimates_jaccard():
 
 
 def test_lsh_params_weight_misses_over_false_candidates():
-    assert minhash.lsh_params(0.8, 128, miss_weight=0.5) == (9, 13)  # datasketch's default
-    bands, rows = minhash.lsh_params(0.8, 128)
+    assert lsh.lsh_params(0.8, 128, miss_weight=0.5) == (9, 13)  # datasketch's default
+    bands, rows = lsh.lsh_params(0.8, 128)
     assert bands * rows <= 128
     assert (
         1 - (1 - 0.8**rows) ** bands > 0.9
@@ -231,7 +231,7 @@ def test_every_document_lands_in_exactly_one_cluster(texts, shingle):
     assert dropped["kept_id"].isin(kept.index).all()
     assert (kept.loc[dropped["kept_id"], "cluster_id"].to_numpy() == dropped["cluster_id"]).all()
     exact = dropped["kind"] == "exact"
-    norm = pd.Series([minhash.normalize_text(t) for t in texts], index=c["id"])
+    norm = pd.Series([minhash.fold_for_shingling(t) for t in texts], index=c["id"])
     assert (
         norm[dropped["id"][exact]].to_numpy() == norm[dropped["kept_id"][exact]].to_numpy()
     ).all()

@@ -9,17 +9,16 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from selfsup_model.config import EncodeConfig
-from selfsup_model.encoding import causal_lm_batch, encode_split, load_windows, write_encoded
+from selfsup_model.encoding import encode_split, load_windows, write_encoded
 from selfsup_model.errors import ArtifactError
 from selfsup_model.specials import (
-    BOS_ID,
     CLS_ID,
-    EOS_ID,
     NUM_SPECIAL,
     PAD_ID,
     SEP_ID,
     SPECIAL_TOKENS,
 )
+from selfsup_model.windows import first_windows
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +50,7 @@ def test_windows_by_hand(tok):
     ]
     assert out.windows.dtype == np.int32 and out.doc_offsets.dtype == np.int64
     assert out.doc_offsets.tolist() == [0, 2, 3]
-    assert out.first_windows().tolist() == [out.windows[0].tolist(), out.windows[2].tolist()]
+    assert first_windows(out.windows, out.doc_offsets).tolist() == [out.windows[0].tolist(), out.windows[2].tolist()]
     # tokens = non-pad positions, [CLS]/[SEP] included, overlap counted in each window.
     assert out.counts == {
         "documents": 2,
@@ -154,28 +153,3 @@ def test_write_and_memory_map_round_trip(tok, tmp_path):
     assert loaded["kept"].tolist() == [0, 2]
     with pytest.raises(ArtifactError, match="missing encoded array"):
         load_windows(tmp_path, "val")
-
-
-def test_causal_batch_by_hand():
-    windows = np.array([[CLS_ID, 10, 11, SEP_ID, PAD_ID, PAD_ID]], dtype=np.int32)
-    out = causal_lm_batch(windows)
-    assert out["input_ids"].tolist() == [[BOS_ID, 10, 11, EOS_ID, PAD_ID]]
-    assert out["target_ids"].tolist() == [[10, 11, EOS_ID, PAD_ID, PAD_ID]]
-    assert out["loss_weights"].tolist() == [[1, 1, 1, 0, 0]]
-    assert out["loss_weights"].dtype == np.float32 and out["input_ids"].dtype == np.int32
-
-
-def test_causal_batch_shifts_exactly_once():
-    rng = np.random.default_rng(0)
-    windows = rng.integers(NUM_SPECIAL, 100, size=(16, 12)).astype(np.int32)
-    windows[:, 0], windows[:, -1] = CLS_ID, SEP_ID
-    windows[:4, 6:] = PAD_ID
-    out = causal_lm_batch(windows)
-    framed = np.where(windows == CLS_ID, BOS_ID, np.where(windows == SEP_ID, EOS_ID, windows))
-    # Target t is input t+1 of the same window (a double shift would give t+2).
-    assert np.array_equal(out["target_ids"], framed[:, 1:])
-    assert np.array_equal(out["input_ids"], framed[:, :-1])
-    assert np.array_equal(out["target_ids"][:, :-1], out["input_ids"][:, 1:])
-    assert out["input_ids"].shape == out["target_ids"].shape == (16, 11)
-    assert (out["loss_weights"][out["target_ids"] == PAD_ID] == 0).all()
-    assert (out["loss_weights"][out["target_ids"] != PAD_ID] == 1).all()

@@ -10,7 +10,7 @@ from selfsup_model.ingest import (
     RawRecord,
     ingest_corpus,
     ingest_records,
-    normalise_text,
+    normalize_document,
 )
 
 CFG = IngestConfig(min_chars=20)
@@ -19,7 +19,9 @@ CFG = IngestConfig(min_chars=20)
 def test_folder_corpus_rejects_bad_files_with_reasons(folder_corpus):
     result = ingest_corpus(str(folder_corpus), "auto", CFG)
     reasons = dict(zip(result.rejects["id"], result.rejects["reason"]))
-    assert reasons == {"birds/latin1.txt": "not_utf8", "fish/empty.txt": "empty", "fish/copy.txt": "duplicate_text"}
+    assert reasons == {
+        "birds/latin1.txt": "not_utf8", "fish/empty.txt": "empty", "fish/copy.txt": "duplicate_text"
+    }
     assert "fish/c.txt" in result.rejects.set_index("id").loc["fish/copy.txt", "detail"]
     assert sorted(result.documents["label"]) == ["birds", "birds", "fish", "fish"]
     c = result.counts
@@ -28,13 +30,14 @@ def test_folder_corpus_rejects_bad_files_with_reasons(folder_corpus):
 
 
 def test_normalisation_is_nfc_and_collapses_whitespace():
-    assert normalise_text("Cafe\u0301\r\n\r\n\r\n  two   spaces\t ") == "Caf\u00e9\n\ntwo spaces"
+    raw = "Cafe\u0301\r\n\r\n\r\n  two   spaces\t "
+    assert normalize_document(raw) == "Caf\u00e9\n\ntwo spaces"
 
 
 def test_table_corpus_with_optional_columns(tmp_path):
     path = tmp_path / "t.csv"
-    pd.DataFrame({"body": ["a long enough first document text", "another long enough second text", ""],
-                  "cat": ["x", None, "y"]}).to_csv(path, index=False)
+    body = ["a long enough first document text", "another long enough second text", ""]
+    pd.DataFrame({"body": body, "cat": ["x", None, "y"]}).to_csv(path, index=False)
     cfg = IngestConfig(min_chars=10, text_column="body", label_column="cat")
     result = ingest_corpus(str(path), "auto", cfg)
     assert result.documents["id"].tolist() == ["row-0", "row-1"]
@@ -74,7 +77,8 @@ def test_pydocs_ids_are_unique_and_labelled():
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(st.tuples(st.sampled_from(["a", "b", "c", "d"]), st.binary(max_size=60) | st.text(max_size=60)),
+@given(st.lists(st.tuples(st.sampled_from(["a", "b", "c", "d"]),
+                          st.binary(max_size=60) | st.text(max_size=60)),
                 min_size=1, max_size=30))
 def test_accounting_law_holds_for_any_input(items):
     """read = kept + every rejection reason, whatever bytes or text arrive."""

@@ -1,12 +1,14 @@
 """Leak-safe splitting on hand-built corpora of word sets (word shingles of size 1)."""
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from selfsup_model import minhash
 from selfsup_model.config import DedupConfig, SplitConfig
-from selfsup_model.errors import UserError
-from selfsup_model.splitting import assign_splits, leakage_audit
+from selfsup_model.errors import ArtifactError, UserError
+from selfsup_model.leakage import leakage_audit
+from selfsup_model.splitting import assign_splits, documents_in_split
 
 WORDS = DedupConfig(shingle="word", shingle_size=1, num_perm=128)
 SPLIT = SplitConfig()
@@ -153,3 +155,18 @@ def test_audit_warn_mode_reports_pairs_and_groups():
     assert audit["groups_across_splits"] == 1
     assert audit["group_examples"] == [{"group": "g", "splits": ["test", "val"]}]
     assert "leakage audit failed" in audit["message"]
+
+
+def test_documents_in_split_follow_assignment_order():
+    docs = pd.DataFrame({"text": ["a", "b", "c", "d"], "id": ["d0", "d1", "d2", "d3"]})
+    assign = pd.DataFrame(
+        {"id": ["d3", "d1", "d0", "d2"], "split": ["val", "test", "val", "train"]}
+    )
+    val = documents_in_split(docs, assign, "val")
+    assert list(val.columns) == ["text", "id"] and val.index.tolist() == [0, 1]
+    assert val["id"].tolist() == ["d3", "d0"] and val["text"].tolist() == ["d", "a"]
+    assert documents_in_split(docs, assign, "test")["id"].tolist() == ["d1"]
+    unknown = documents_in_split(docs, assign, "holdout")
+    assert unknown.empty and list(unknown.columns) == ["text", "id"]
+    with pytest.raises(ArtifactError, match="'d9'"):
+        documents_in_split(docs.iloc[:3], assign.assign(id=["d9", "d1", "d0", "d2"]), "val")

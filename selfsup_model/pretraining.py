@@ -20,16 +20,12 @@ import keras
 import numpy as np
 from keras import ops
 
-from selfsup_model.artifacts import atomic_path, atomic_write_json, sha256_json
+from selfsup_model.artifacts import atomic_write_json, save_keras_atomic, sha256_json
 from selfsup_model.config import MaskingConfig, ModelConfig, PretrainConfig
 from selfsup_model.errors import UserError
-from selfsup_model.evaluation import evaluate_masked_lm, validation_metrics, validation_unigram_loss
-from selfsup_model.model import (
-    build_backbone,
-    build_pretrain_export_model,
-    build_pretraining_model,
-    load_keras_model,
-)
+from selfsup_model.evaluation import unigram_log_probs, validation_metrics, validation_unigram_loss
+from selfsup_model.model import build_backbone, build_pretrain_export_model, build_pretraining_model
+from selfsup_model.plots import plot_loss_curve
 from selfsup_model.pretrain_callbacks import (
     JOURNAL,
     LATEST,
@@ -38,21 +34,14 @@ from selfsup_model.pretrain_callbacks import (
     MetricsReporter,
     read_checkpoint,
     restore_rng_state,
-    save_keras_atomic,
 )
-from selfsup_model.pretrain_data import (
-    PretrainBatches,
-    budget_steps,
-    check_windows,
-    unigram_log_probs,
-)
+from selfsup_model.pretrain_data import PretrainBatches, budget_steps, check_windows
+from selfsup_model.saving import load_keras_model, serializable
 
-__all__ = ["PretrainResult", "WarmupDecay", "build_optimizer", "evaluate_masked_lm", "pretrain"]
-_register = keras.saving.register_keras_serializable(package="selfsup")
 NO_DECAY = ("bias", "gamma", "beta", "embeddings")  # variable names: LayerNorm, biases, embeddings
 
 
-@_register
+@serializable
 class WarmupDecay(keras.optimizers.schedules.LearningRateSchedule):
     """Linear warmup to `peak` over `warmup_steps`, then cosine or linear decay to 0 at `total_steps`.
 
@@ -81,7 +70,7 @@ class WarmupDecay(keras.optimizers.schedules.LearningRateSchedule):
                 "total_steps": self.total_steps, "decay": self.decay}
 
 
-@_register
+@serializable
 class SelectiveAdamW(keras.optimizers.AdamW):
     """AdamW that never decays variables whose name contains one of `no_decay`.
 
@@ -243,22 +232,3 @@ def _write_outputs(out_dir: Path, model, export_model, reporter: MetricsReporter
         unigram_baseline_loss=baseline, encoder_path=encoder_path, pretrain_model_path=export_path,
         history_path=history_path, loss_curve_path=curve_path, checkpoint_dir=out_dir / "checkpoints",
     )
-
-
-def plot_loss_curve(history: list[dict[str, float]], objective: str, path) -> Path:
-    """Train and validation loss against step, written atomically (no pyplot state)."""
-    from matplotlib.figure import Figure  # Agg canvas; never touches a display
-
-    fig = Figure(figsize=(6, 4), dpi=100)
-    ax = fig.add_subplot()
-    for key, style in ((f"train/{objective}_loss", "-"), (f"val/{objective}_loss", "o-"),
-                       ("val/unigram_baseline_loss", ":")):
-        points = [(h["step"], h[key]) for h in history if key in h and np.isfinite(h[key])]
-        if points:
-            ax.plot(*zip(*points, strict=True), style, label=key)
-    ax.set_xlabel("step")
-    ax.set_ylabel("token-weighted cross-entropy (nats)")
-    ax.legend()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png")
-    return Path(path)

@@ -16,18 +16,18 @@ import numpy as np
 import pytest
 
 from selfsup_model.config import MaskingConfig, ModelConfig, PretrainConfig
+from selfsup_model.evaluation import evaluate_masked_lm, unigram_log_probs
 from selfsup_model.masking import make_static_masks
 from selfsup_model.model import build_backbone, build_pretraining_model
-from selfsup_model.pretrain_data import PretrainBatches, budget_steps, unigram_log_probs
-from selfsup_model.specials import CLS_ID, NUM_SPECIAL, PAD_ID, SEP_ID
-from selfsup_model.training import (
+from selfsup_model.pretrain_data import PretrainBatches, budget_steps
+from selfsup_model.pretraining import (
     WarmupDecay,
     build_optimizer,
-    evaluate_masked_lm,
     pretrain,
     resolve_jit,
     resolve_precision,
 )
+from selfsup_model.specials import CLS_ID, NUM_SPECIAL, PAD_ID, SEP_ID
 
 ROOT = Path(__file__).resolve().parents[2]
 V, L = 30, 12
@@ -201,7 +201,7 @@ def test_killed_run_resumes_to_the_same_result(tmp_path):
     reference = tiny_run(str(tmp_path / "reference"), str(ref_log), dropout=0.1)
     ref_logged = [json.loads(line) for line in ref_log.read_text().splitlines()]
     out, log = tmp_path / "run", tmp_path / "logged.jsonl"
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); from tests.model.test_training import "
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from tests.model.test_pretraining import "
             "tiny_run; tiny_run(sys.argv[2], sys.argv[3], dropout=0.1)")
     cmd = [sys.executable, "-c", code, str(ROOT), str(out), str(log)]
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}

@@ -1,0 +1,222 @@
+"""Transfer experiments: every classification method at every label fraction, on the same documents.
+
+The fair-comparison rules live here, once, for the pretrained encoder and every
+baseline alike: one labelled view of the encoded splits (each document's first
+window, the training split's classes), one stratified subset per label
+fraction shared by all methods, selection on validation only, and one row
+format for test predictions and one for training summaries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from selfsup_model.artifacts import atomic_write_json, atomic_write_parquet
+from selfsup_model.baselines import logreg_on_features, majority_class, tfidf_logreg
+from selfsup_model.classify import ClassifierResult, stratified_subset, train_classifier
+from selfsup_model.config import BaselineConfig, FinetuneConfig
+from selfsup_model.metrics import macro_f1
+from selfsup_model.report import PREDICTION_COLUMNS
+from selfsup_model.splitting import SPLITS
+from selfsup_model.windows import first_windows
+
+log = logging.getLogger("selfsup.transfer")
+
+@dataclasses.dataclass(frozen=True)
+class LabelledSplit:
+    ids: np.ndarray  # (n,) str
+    labels: np.ndarray  # (n,) str
+    windows: np.ndarray  # (n, L) int32: each document's first (truncated) window
+
+
+@dataclasses.dataclass(frozen=True)
+class LabelledData:
+    classes: list[str]  # sorted labels of the training split
+    splits: dict[str, LabelledSplit]
+    counts: dict[str, int]
+
+    def y(self, split: str) -> np.ndarray:
+        """Class index per document (-1 for a label the training split never saw)."""
+        index = {c: i for i, c in enumerate(self.classes)}
+        return np.array([index.get(label, -1) for label in self.splits[split].labels], dtype=np.int64)
+
+
+def load_labelled(encode_dir: Path, max_len: int | None = None) -> LabelledData | None:
+    """Labelled documents per split from encode's `{split}_docs.parquet`, `_doc_offsets.npy` and
+    `_windows.npy`, or None (with the reason logged) when there is nothing to classify."""
+    splits, counts = {}, {}
+    for split in SPLITS:
+        docs = pd.read_parquet(encode_dir / f"{split}_docs.parquet")
+        offsets = np.load(encode_dir / f"{split}_doc_offsets.npy", allow_pickle=False)
+        windows = np.load(encode_dir / f"{split}_windows.npy", mmap_mode="r", allow_pickle=False)
+        has_label = docs["label"].notna().to_numpy()
+        splits[split] = LabelledSplit(docs["id"].to_numpy(str)[has_label], docs["label"].to_numpy(str)[has_label],
+                                      first_windows(windows, offsets, has_label, max_len))
+        counts[f"{split}_labelled"] = int(has_label.sum())
+        counts[f"{split}_unlabelled"] = int((~has_label).sum())
+    classes = sorted(set(splits["train"].labels.tolist()))
+    if len(classes) < 2:
+        log.warning("classification skipped: the training split has %d label(s); need at least 2", len(classes))
+        return None
+    data = LabelledData(classes, splits, counts)
+    for split in ("val", "test"):
+        unseen = int((data.y(split) < 0).sum())
+        counts[f"{split}_unseen_label_docs"] = unseen
+        if unseen:
+            log.warning("%d %s documents carry labels absent from training; they count as errors", unseen, split)
+    counts["classes"] = len(classes)
+    return data
+
+
+@dataclasses.dataclass
+class MethodResults:
+    """Test prediction rows (`report.PREDICTION_COLUMNS`) and one training summary per run."""
+
+    rows: list[tuple] = dataclasses.field(default_factory=list)
+    summaries: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+    def add(self, method: str, fraction: float, data: LabelledData, test_predictions: np.ndarray,
+            summary: dict[str, Any]) -> None:
+        self.rows += prediction_rows(method, fraction, data.splits["test"], test_predictions, data.classes)
+        self.summaries.append({"method": method, "fraction": float(fraction), **summary})
+
+    def extend(self, other: MethodResults) -> None:
+        self.rows += other.rows
+        self.summaries += other.summaries
+
+
+def prediction_rows(method: str, fraction: float, split: LabelledSplit, predicted: np.ndarray,
+                    classes: Sequence[str]) -> list[tuple]:
+    """(id, method, fraction, label, prediction) rows; `predicted` holds class indices or labels."""
+    predicted = np.asarray(predicted)
+    names = np.asarray(classes)[predicted] if np.issubdtype(predicted.dtype, np.integer) else predicted
+    return [(i, method, float(fraction), lab, str(p)) for i, lab, p in zip(split.ids, split.labels, names)]
+
+
+def result_key(method: str, fraction: float, metric: str) -> str:
+    """An MLflow-safe metric name for one method at one label fraction."""
+    return f"{method}/fraction_{fraction:g}/{metric}"
+
+
+def label_subsets(data: LabelledData, cfg: FinetuneConfig) -> Iterator[tuple[float, np.ndarray]]:
+    """(fraction, training-document indices): the identical subsets every method trains on."""
+    for fraction in cfg.fractions:
+        yield fraction, stratified_subset(data.splits["train"].labels, fraction, cfg.seed)
+
+
+# ---------------------------------------------------------------- neural methods
+
+BackboneFactory = Callable[[], Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class NeuralMethod:
+    """A backbone trained as a classifier: `mode` is probe, full or scratch (see `classify`)."""
+
+    name: str
+    mode: str
+    factory: BackboneFactory
+    cfg: FinetuneConfig
+
+
+def train_neural_methods(data: LabelledData, methods: Sequence[NeuralMethod], cfg: FinetuneConfig,
+                         by_method: bool = False) -> tuple[MethodResults, ClassifierResult | None]:
+    """Train each method at each label fraction; return the results and the last classifier trained.
+
+    Loops run fraction-major (every method at 5%, then every method at 25% …), or
+    method-major with `by_method`; either way each run sees the same subset.
+    """
+    runs = [(m, f, s) for m in methods for f, s in label_subsets(data, cfg)] if by_method else \
+        [(m, f, s) for f, s in label_subsets(data, cfg) for m in methods]
+    train, y_train, y_val = data.splits["train"], data.y("train"), data.y("val")
+    val_known = y_val >= 0  # selection can only score labels the model can predict
+    val = (data.splits["val"].windows[val_known], y_val[val_known])
+    out, last = MethodResults(), None
+    for method, fraction, subset in runs:
+        log.info("%s at label fraction %g: %d training documents", method.name, fraction, len(subset))
+        last = train_classifier(method.factory, (train.windows[subset], y_train[subset]), val, len(data.classes),
+                                method.mode, method.cfg, cfg.seed, eval_sets={"test": data.splits["test"].windows})
+        out.add(method.name, fraction, data, last.predictions["test"], {
+            "n_train": len(subset), "val_macro_f1": last.val_macro_f1, "best_epoch": last.best_epoch,
+            "epochs_run": last.epochs_run, "train_time_s": round(last.train_time_s, 3)})
+    return out, last
+
+
+def scratch_baselines(vocab_size: int, max_len: int, random_init: BackboneFactory | None,
+                      baseline: BaselineConfig, finetune: FinetuneConfig) -> list[NeuralMethod]:
+    """random_init (the encoder's own architecture, fresh weights) and a bag of embeddings."""
+    from selfsup_model.bag_of_embeddings import bag_of_embeddings_factory
+
+    methods = []
+    if baseline.random_init and random_init is not None:
+        methods.append(NeuralMethod("random_init", "scratch", random_init, finetune))
+    if baseline.bag_of_embeddings:
+        bag_cfg = finetune.model_copy(update={"head_learning_rate": baseline.bag_learning_rate})
+        methods.append(NeuralMethod("bag_of_embeddings", "scratch",
+                                    bag_of_embeddings_factory(vocab_size, max_len, baseline.bag_dim), bag_cfg))
+    return methods
+
+
+# ---------------------------------------------------------------- linear methods
+
+
+def text_baselines(data: LabelledData, texts: pd.Series, baseline: BaselineConfig,
+                   finetune: FinetuneConfig) -> MethodResults:
+    """Majority class and TF-IDF + logistic regression at every label fraction (`texts` indexed by id)."""
+    out = MethodResults()
+    train, val, test = (data.splits[s] for s in SPLITS)
+    for fraction, subset in label_subsets(data, finetune):
+        if baseline.majority:
+            t0 = time.perf_counter()
+            pred = majority_class(train.labels[subset], len(test.ids))
+            val_pred = majority_class(train.labels[subset], len(val.ids))
+            out.add("majority", fraction, data, np.asarray(pred, dtype=str), {
+                "n_train": len(subset), "val_macro_f1": macro_f1(val.labels, np.asarray(val_pred)),
+                "train_time_s": round(time.perf_counter() - t0, 3)})
+        res = tfidf_logreg(texts.loc[train.ids[subset]].tolist(), train.labels[subset],
+                           texts.loc[val.ids].tolist(), val.labels, {"test": texts.loc[test.ids].tolist()},
+                           baseline)
+        out.add("tfidf_logreg", fraction, data, np.asarray(res.predictions["test"], dtype=str), {
+            "n_train": len(subset), "val_macro_f1": res.val_macro_f1, "train_time_s": round(res.fit_time_s, 3),
+            "params": res.params})
+    return out
+
+
+def features_probe(method: str, data: LabelledData, features: Mapping[str, np.ndarray],
+                   c_grid: Sequence[float], finetune: FinetuneConfig, feature_time_s: float = 0.0) -> MethodResults:
+    """Logistic regression on fixed per-document features (split -> (n, d)), C tuned on validation.
+
+    The features are computed once for all fractions; `feature_time_s`, their
+    cost, is added to every fraction's training time and shown beside it.
+    """
+    out = MethodResults()
+    train, val = data.splits["train"], data.splits["val"]
+    for fraction, subset in label_subsets(data, finetune):
+        res = logreg_on_features(features["train"][subset], train.labels[subset], features["val"], val.labels,
+                                 {"test": features["test"]}, c_grid)
+        out.add(method, fraction, data, np.asarray(res.predictions["test"], dtype=str), {
+            "n_train": len(subset), "val_macro_f1": res.val_macro_f1, "params": res.params,
+            "train_time_s": round(res.fit_time_s + feature_time_s, 3), "embed_time_s": round(feature_time_s, 3)})
+    return out
+
+
+def write_method_results(out_dir: Path, results: MethodResults, classes: Sequence[str] = (),
+                         skipped: str | None = None, unavailable: Mapping[str, str] | None = None) -> list[str]:
+    """`predictions.parquet` (test rows) and `results.json` (summaries) of a classification stage."""
+    if skipped is not None:
+        log.warning("%s skipped: %s", out_dir.name, skipped)
+    body: dict[str, Any] = {"skipped": skipped} if skipped is not None else {"classes": list(classes)}
+    body["results"] = results.summaries
+    if unavailable is not None:
+        body["unavailable"] = dict(unavailable)
+    atomic_write_parquet(out_dir / "predictions.parquet", pd.DataFrame(results.rows, columns=list(PREDICTION_COLUMNS)))
+    atomic_write_json(out_dir / "results.json", body)
+    return ["predictions.parquet", "results.json"]

@@ -1,0 +1,57 @@
+"""Operations on framed token windows, in numpy only (no tokenizer needed).
+
+A window is one row of `encode`'s output: `[CLS] content [SEP]` right-padded
+with [PAD]. Pretraining, evaluation and classification all start from such
+rows, so the two ways of reading them live here once: the causal shift and a
+document's first window cut to a classifier's length.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from selfsup_model.specials import BOS_ID, CLS_ID, EOS_ID, PAD_ID, SEP_ID
+
+
+def causal_lm_batch(windows: np.ndarray) -> dict[str, np.ndarray]:
+    """Next-token inputs/targets from framed windows (B, L): shifted here, exactly once.
+
+    The framing becomes [BOS] ... [EOS]; `input_ids` = x[:, :-1] and
+    `target_ids` = x[:, 1:], both (B, L-1), so position t predicts token t+1.
+    `loss_weights` is 1.0 where the target is a real token (content or [EOS])
+    and 0.0 where it is [PAD]. Consumers must NOT shift again.
+    """
+    x = np.asarray(windows, dtype=np.int32)
+    if x.ndim != 2 or x.shape[1] < 2:
+        raise ValueError(f"windows must be (batch, length >= 2), got shape {x.shape}")
+    x = np.where(x == CLS_ID, BOS_ID, np.where(x == SEP_ID, EOS_ID, x)).astype(np.int32)
+    targets = x[:, 1:]
+    return {
+        "input_ids": np.ascontiguousarray(x[:, :-1]),  # (B, L-1)
+        "target_ids": np.ascontiguousarray(targets),  # (B, L-1)
+        "loss_weights": (targets != PAD_ID).astype(np.float32),  # (B, L-1)
+    }
+
+
+def truncate_windows(windows: np.ndarray, max_len: int | None) -> np.ndarray:
+    """First `max_len` positions of [CLS] ... [SEP] rows; a row cut short ends in [SEP] again."""
+    if max_len is None or max_len >= windows.shape[1]:
+        return windows
+    out = np.array(windows[:, :max_len])  # (n, max_len)
+    cut = out[:, -1] != PAD_ID
+    out[cut, -1] = SEP_ID
+    return out
+
+
+def first_windows(windows: np.ndarray, doc_offsets: np.ndarray, rows: np.ndarray | None = None,
+                  max_len: int | None = None) -> np.ndarray:
+    """(n, max_len) int32: each document's first window, cut to `max_len` tokens.
+
+    Document i owns windows doc_offsets[i]:doc_offsets[i + 1]; `rows` selects
+    documents (a boolean mask or indices), all of them by default. This is what
+    every classification method reads of a document.
+    """
+    starts = np.asarray(doc_offsets)[:-1]
+    if rows is not None:
+        starts = starts[rows]
+    return truncate_windows(np.asarray(windows[starts], dtype=np.int32), max_len)
