@@ -8,39 +8,16 @@ from typing import Any, Literal
 
 from prefect import flow
 
-from selfsup_model.config import (
-    PipelineConfig,
-    build_config,
-    deep_merge,
-    parse_override,
-    validate_config,
-)
+from flows.lock import workdir_lock
+from flows.settings import RunSettings, changed_keys, read_settings, write_settings
+from flows.tracking import PipelineTracking, Tracker, default_tracking_uri, flatten
+from selfsup_model.config import DEFAULT_WORKDIR, CorpusFormat, PipelineConfig
 from selfsup_model.errors import UserError
-from tasks.lock import workdir_lock
-from tasks.registry import STAGE_NAMES, TASKS
+from selfsup_model.presets import build_config, deep_merge, parse_override, validate_config
+from tasks.registry import STAGE_NAMES, select_stages, stage_tasks, stages_shaped_by
 from tasks.stage import RunContext, StageResult
-from tasks.tracking import Tracker, default_tracking_uri, flatten
 
 log = logging.getLogger("selfsup.pipeline")
-
-DEFAULT_WORKDIR = "data/runs/default"
-CorpusFormat = Literal["auto", "folder", "table", "pydocs"]
-
-
-def select_stages(only: str | None = None, from_stage: str | None = None, to_stage: str | None = None) -> list[str]:
-    """The stages to visit, in order: one (--only), or a range (--from/--to, inclusive)."""
-    for name in (only, from_stage, to_stage):
-        if name is not None and name not in STAGE_NAMES:
-            raise UserError(f"unknown stage {name!r}; stages are: {', '.join(STAGE_NAMES)}")
-    if only and (from_stage or to_stage):
-        raise UserError("use either --only or --from/--to, not both")
-    if only:
-        return [only]
-    start = STAGE_NAMES.index(from_stage) if from_stage else 0
-    stop = STAGE_NAMES.index(to_stage) + 1 if to_stage else len(STAGE_NAMES)
-    if start >= stop:
-        raise UserError(f"--from {from_stage} comes after --to {to_stage}")
-    return list(STAGE_NAMES[start:stop])
 
 
 def resolve_config(preset: str, config: PipelineConfig | None, overrides: list[str],
@@ -73,6 +50,7 @@ def run_pipeline(
         raise UserError(f"unknown stage(s) for --force: {', '.join(unknown)}; stages are: {', '.join(STAGE_NAMES)}")
     wd = Path(workdir)
     with workdir_lock(wd):
+        _record_settings(wd, RunSettings(str(corpus), corpus_format, preset, config))
         tracker = parent = None
         if tracking:
             tracker = Tracker(default_tracking_uri(wd), config.experiment, artifact_root=wd / "mlartifacts")
@@ -84,11 +62,12 @@ def run_pipeline(
             })
             tracker.log_params(parent, flatten("", config.model_dump(mode="json")))
         ctx = RunContext(workdir=wd, config=config, corpus=str(corpus), corpus_format=corpus_format,
-                         force=frozenset(force), tracker=tracker, parent_run_id=parent)
+                         force=frozenset(force), tracking=PipelineTracking(tracker, parent) if tracker else None)
+        tasks = stage_tasks()
         results: list[StageResult] = []
         try:
             for name in stages:
-                results.append(TASKS[name](ctx))
+                results.append(tasks[name](ctx))
         except BaseException:
             if tracker:
                 tracker.end_run(parent, "FAILED")
@@ -96,6 +75,19 @@ def run_pipeline(
         if tracker:
             tracker.end_run(parent, "FINISHED")
         return results
+
+
+def _record_settings(workdir: Path, settings: RunSettings) -> None:
+    """Store what this run uses; say which stages a change from the last run will rerun."""
+    before = read_settings(workdir)
+    if before is not None:
+        changed = changed_keys(before, settings)
+        if changed:
+            shown = ", ".join(changed[:8]) + (f" and {len(changed) - 8} more" if len(changed) > 8 else "")
+            rerun = stages_shaped_by(changed)
+            log.info("settings differ from this workdir's last run (%s): %s will rerun", shown,
+                     ", ".join(rerun) if rerun else "no stage")
+    write_settings(workdir, settings)
 
 
 @flow(name="selfsup-pipeline", persist_result=False, log_prints=True)

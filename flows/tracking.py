@@ -17,6 +17,7 @@ from typing import Any
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 
+from selfsup_model.artifacts import StageManifest
 from selfsup_model.errors import UserError
 
 log = logging.getLogger("selfsup.tracking")
@@ -109,3 +110,47 @@ class Tracker:
             self.log_metrics(run_id, metrics, step)
 
         return _log
+
+
+class PipelineTracking:
+    """The runner's `tasks.stage.StageTracking` over MLflow: a child run per executed stage.
+
+    Every stage's counts also land on the parent run (prefixed by the stage
+    name), with a `stage.<name>` tag saying whether it ran or was skipped.
+    """
+
+    def __init__(self, tracker: Tracker, parent_run_id: str):
+        self.tracker, self.parent = tracker, parent_run_id
+
+    def stage_started(self, stage: str, params: dict[str, Any], reason: str) -> str:
+        run_id = self.tracker.start_run(stage, {"selfsup.stage": stage, "selfsup.reason": reason[:250]},
+                                        parent_id=self.parent)
+        self.tracker.log_params(run_id, flatten("", params))
+        return run_id
+
+    def stage_failed(self, run: str) -> None:
+        self.tracker.end_run(run, "FAILED")
+
+    def stage_finished(self, run: str, manifest: StageManifest, manifest_path: Path,
+                       artifacts: list[Path]) -> None:
+        numbers = numeric_items({"counts": manifest.counts, "metrics": manifest.metrics})
+        self.tracker.log_metrics(run, {**numbers, "duration_s": manifest.duration_s})
+        self.tracker.log_artifact(run, manifest_path, "manifests")
+        for path in artifacts:
+            self.tracker.log_artifact(run, path, manifest.stage)
+        self.tracker.end_run(run, "FINISHED")
+        self._note_on_parent(manifest, "ran")
+
+    def stage_skipped(self, manifest: StageManifest) -> None:
+        self._note_on_parent(manifest, "skipped (up to date)")
+
+    def metric_logger(self, run: str):
+        return self.tracker.metric_logger(run)
+
+    def publish(self, paths: list[Path], folder: str) -> None:
+        for path in paths:
+            self.tracker.log_artifact(self.parent, path, folder)
+
+    def _note_on_parent(self, manifest: StageManifest, status: str) -> None:
+        self.tracker.set_tags(self.parent, {f"stage.{manifest.stage}": status})
+        self.tracker.log_metrics(self.parent, numeric_items(manifest.counts, f"{manifest.stage}."))

@@ -8,24 +8,21 @@ import shutil
 from pathlib import Path
 
 import pandas as pd
-from prefect import task
 from prefect.artifacts import create_markdown_artifact
-from prefect.cache_policies import NO_CACHE
 from prefect.context import TaskRunContext
 
-from selfsup_model.artifacts import atomic_path, atomic_write_text, read_manifest
+from selfsup_model.artifacts import (
+    MANIFEST_NAME,
+    StageManifest,
+    atomic_path,
+    atomic_write_parquet,
+    atomic_write_text,
+)
 from selfsup_model.report import recompute_results, write_report
-from tasks.io import read_parquet, write_parquet
-from tasks.labelled import result_key
-from tasks.stage import RunContext, StageOutput, StageResult, StageSpec, run_stage
+from selfsup_model.transfer import result_key
+from tasks.stage import RunContext, StageOutput
 
 log = logging.getLogger("selfsup.compare")
-SPEC = StageSpec(
-    "compare",
-    inputs=("finetune/predictions.parquet", "finetune/results.json", "baseline/predictions.parquet",
-            "baseline/results.json", "pretrain/history.json", "pretrain/loss_curve.png", "split/audit.json"),
-    sections=("compare",),
-)
 
 
 def _training_summaries(inputs: dict[str, Path]) -> dict[tuple[str, float], dict]:
@@ -39,8 +36,7 @@ def _training_summaries(inputs: dict[str, Path]) -> dict[tuple[str, float], dict
 def report_context(ctx: RunContext, inputs: dict[str, Path], n_test: int) -> dict:
     """The numbers a reader needs beside the table: corpus, pretraining, audit, methods not run."""
     unavailable = json.loads(inputs["baseline/results.json"].read_text()).get("unavailable", {})
-    pre = read_manifest(ctx.stage_dir("pretrain"))
-    enc = read_manifest(ctx.stage_dir("encode"))
+    pre, enc = (StageManifest.read(inputs[f"{stage}/{MANIFEST_NAME}"]) for stage in ("pretrain", "encode"))
     audit = json.loads(inputs["split/audit.json"].read_text())["audit"]
     return {
         "test documents": n_test,
@@ -60,8 +56,8 @@ def report_context(ctx: RunContext, inputs: dict[str, Path], n_test: int) -> dic
 
 
 def compute(ctx: RunContext, out: Path, inputs: dict[str, Path]) -> StageOutput:
-    predictions = pd.concat([read_parquet(inputs["finetune/predictions.parquet"]),
-                             read_parquet(inputs["baseline/predictions.parquet"])], ignore_index=True)
+    predictions = pd.concat([pd.read_parquet(inputs["finetune/predictions.parquet"]),
+                             pd.read_parquet(inputs["baseline/predictions.parquet"])], ignore_index=True)
     if predictions.empty:
         log.warning("compare skipped: no method produced predictions (the corpus has no usable labels)")
         atomic_write_text(out / "report.md", "# selfsup comparison\n\nSkipped: the corpus has no usable labels.\n")
@@ -73,7 +69,7 @@ def compute(ctx: RunContext, out: Path, inputs: dict[str, Path]) -> StageOutput:
         r.update({k: extra[k] for k in ("val_macro_f1", "train_time_s", "n_train") if k in extra})
     n_test = predictions.groupby(["method", "fraction"]).size().max()
     files = write_report(out, results, report_context(ctx, inputs, int(n_test)), predictions)
-    files.append(write_parquet(predictions, out / "predictions.parquet"))
+    files.append(atomic_write_parquet(out / "predictions.parquet", predictions).name)
     with atomic_path(out / "pretrain_loss_curve.png") as tmp:
         shutil.copyfile(inputs["pretrain/loss_curve.png"], tmp)
     files.append("pretrain_loss_curve.png")
@@ -86,16 +82,9 @@ def compute(ctx: RunContext, out: Path, inputs: dict[str, Path]) -> StageOutput:
 
 
 def _publish(ctx: RunContext, out: Path, files: list[str]) -> None:
-    """The report on the MLflow parent run and as a Prefect markdown artifact."""
-    if ctx.tracker is not None and ctx.parent_run_id:
-        for name in files:
-            ctx.tracker.log_artifact(ctx.parent_run_id, out / name, "report")
+    """The report on the tracked pipeline run and as a Prefect markdown artifact."""
+    ctx.publish([out / name for name in files], "report")
     if TaskRunContext.get() is not None:  # called outside Prefect (plain function): nowhere to attach
         create_markdown_artifact(key="selfsup-comparison", markdown=(out / "report.md").read_text(),
                                  description="selfsup: test metrics of every method x label fraction")
 
-
-@task(name="compare", cache_policy=NO_CACHE, persist_result=False)
-def compare_task(ctx: RunContext) -> StageResult:
-    """Compare all methods on the same test split, with bootstrap intervals."""
-    return run_stage(SPEC, ctx, compute)

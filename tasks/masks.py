@@ -5,14 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from prefect import task
-from prefect.cache_policies import NO_CACHE
 
+from selfsup_model.errors import CorpusError
 from selfsup_model.masking import make_static_masks, mask_counts, save_masks
 from selfsup_model.tokenization import load_tokenizer
-from tasks.stage import RunContext, StageOutput, StageResult, StageSpec, run_stage
-
-SPEC = StageSpec("masks", inputs=("encode/val_windows.npy", "tokenizer/tokenizer.json"), sections=("masks",))
+from tasks.stage import RunContext, StageOutput
 
 
 def compute(ctx: RunContext, out: Path, inputs: dict[str, Path]) -> StageOutput:
@@ -22,11 +19,7 @@ def compute(ctx: RunContext, out: Path, inputs: dict[str, Path]) -> StageOutput:
     save_masks(out / "val_masks.npz", masks)
     counts = mask_counts(masks)
     if counts["selected"] == 0:
-        raise RuntimeError("the validation windows have no maskable tokens; the corpus is too small")
+        raise CorpusError("masks: the validation windows hold no maskable token; the corpus is too small "
+                          "or too short for validation (add documents or lower ingest.min_chars)")
     return StageOutput(["val_masks.npz"], {**counts, "scored_tokens": counts["selected"]})
 
-
-@task(name="masks", cache_policy=NO_CACHE, persist_result=False)
-def masks_task(ctx: RunContext) -> StageResult:
-    """Corrupt the validation windows once, so every evaluation scores the same positions."""
-    return run_stage(SPEC, ctx, compute)

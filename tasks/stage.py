@@ -18,7 +18,7 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from selfsup_model import __version__
 from selfsup_model.artifacts import (
@@ -27,6 +27,7 @@ from selfsup_model.artifacts import (
     read_manifest,
     record_outputs,
     sha256_file,
+    verify_outputs,
 )
 from selfsup_model.config import PipelineConfig
 from selfsup_model.errors import ArtifactError
@@ -34,6 +35,29 @@ from selfsup_model.errors import ArtifactError
 log = logging.getLogger("selfsup.stage")
 
 Status = Literal["up-to-date", "stale", "missing", "blocked"]
+LogFn = Callable[[dict[str, float], int], None]
+
+
+class StageTracking(Protocol):
+    """Where the runner reports stages; the flow hands in an MLflow-backed one (`flows.tracking`).
+
+    A stage that runs gets its own tracked run (a handle the runner passes back);
+    a skipped stage is only noted. `publish` attaches files to the pipeline run
+    as a whole (the comparison report).
+    """
+
+    def stage_started(self, stage: str, params: dict[str, Any], reason: str) -> str: ...
+
+    def stage_failed(self, run: str) -> None: ...
+
+    def stage_finished(self, run: str, manifest: StageManifest, manifest_path: Path,
+                       artifacts: list[Path]) -> None: ...
+
+    def stage_skipped(self, manifest: StageManifest) -> None: ...
+
+    def metric_logger(self, run: str) -> LogFn: ...
+
+    def publish(self, paths: list[Path], folder: str) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +69,7 @@ class StageSpec:
     sections: tuple[str, ...]  # PipelineConfig sections fingerprinted into params
     version: int = 1  # bump when the stage's output format or semantics change
     extra_params: Callable[[RunContext], dict[str, Any]] | None = None  # e.g. the corpus fingerprint
+    manifests: tuple[str, ...] = ()  # stages whose manifest (counts, metrics) this stage reads
 
     @property
     def upstream(self) -> tuple[str, ...]:
@@ -60,15 +85,19 @@ class RunContext:
     corpus: str = "pydocs"
     corpus_format: str = "auto"
     force: frozenset[str] = frozenset()
-    tracker: Any = None  # tasks.tracking.Tracker | None
-    parent_run_id: str | None = None
-    stage_run_id: str | None = None  # the child run of the stage being computed
+    tracking: StageTracking | None = None
+    stage_run: str | None = None  # the tracked run of the stage being computed
 
-    def metric_logger(self) -> Callable[[dict[str, float], int], None] | None:
+    def metric_logger(self) -> LogFn | None:
         """Per-step metric logging into the current stage's run, or None when untracked."""
-        if self.tracker is None or self.stage_run_id is None:
+        if self.tracking is None or self.stage_run is None:
             return None
-        return self.tracker.metric_logger(self.stage_run_id)
+        return self.tracking.metric_logger(self.stage_run)
+
+    def publish(self, paths: list[Path], folder: str) -> None:
+        """Attach files to the pipeline's tracked run (nothing happens when untracked)."""
+        if self.tracking is not None:
+            self.tracking.publish(paths, folder)
 
     def stage_dir(self, stage: str) -> Path:
         return self.workdir / stage
@@ -144,6 +173,12 @@ def resolve_inputs(spec: StageSpec, ctx: RunContext) -> dict[str, str]:
                 f"rerun with --force {stage}"
             )
         hashes[key] = record.sha256
+    for stage in spec.manifests:
+        path = ctx.stage_dir(stage) / MANIFEST_NAME
+        if read_manifest(ctx.stage_dir(stage)) is None:
+            raise ArtifactError(f"stage {spec.name!r} reads the manifest of {stage!r}, which has not completed; "
+                                "run it first")
+        hashes[f"{stage}/{MANIFEST_NAME}"] = cached_sha256(path)
     return hashes
 
 
@@ -169,11 +204,9 @@ def check_stage(spec: StageSpec, ctx: RunContext, params: dict[str, Any] | None 
     if manifest.inputs != inputs:
         changed = sorted(k for k in set(inputs) | set(manifest.inputs) if inputs.get(k) != manifest.inputs.get(k))
         return "stale", f"inputs changed: {', '.join(changed)}"
-    stage_dir = ctx.stage_dir(spec.name)
-    for name, rec in manifest.outputs.items():
-        path = stage_dir / name
-        if not path.is_file() or path.stat().st_size != rec.size or cached_sha256(path) != rec.sha256:
-            return "stale", f"output {name} is missing or was modified"
+    modified = verify_outputs(ctx.stage_dir(spec.name), manifest, hasher=cached_sha256)
+    if modified:
+        return "stale", f"output {modified[0]} is missing or was modified"
     return "up-to-date", "manifest matches inputs and parameters"
 
 
@@ -187,7 +220,8 @@ def run_stage(spec: StageSpec, ctx: RunContext, compute: Compute) -> StageResult
     if status == "up-to-date" and spec.name not in ctx.force:
         manifest = read_manifest(stage_dir)
         log.info("%s: up to date, skipped", spec.name)
-        _track_skipped(ctx, spec.name, manifest)
+        if ctx.tracking is not None:
+            ctx.tracking.stage_skipped(manifest)
         return StageResult(spec.name, "skipped", str(stage_dir), manifest.counts, manifest.metrics, 0.0, why)
     reason = "forced" if status == "up-to-date" else why
     log.info("%s: running (%s)", spec.name, reason)
@@ -196,12 +230,13 @@ def run_stage(spec: StageSpec, ctx: RunContext, compute: Compute) -> StageResult
     (stage_dir / MANIFEST_NAME).unlink(missing_ok=True)  # a half-finished stage must never look done
     started = dt.datetime.now(dt.UTC)
     t0 = time.perf_counter()
-    child = _track_start(ctx, spec.name, params, reason)
+    run = ctx.tracking.stage_started(spec.name, params, reason) if ctx.tracking is not None else None
     try:
-        out = compute(dataclasses.replace(ctx, stage_run_id=child), stage_dir,
-                      {k: ctx.artifact(k) for k in spec.inputs})
+        out = compute(dataclasses.replace(ctx, stage_run=run), stage_dir,
+                      {k: ctx.artifact(k) for k in (*spec.inputs, *(f"{m}/{MANIFEST_NAME}" for m in spec.manifests))})
     except BaseException:
-        _track_end(ctx, child, "FAILED")
+        if ctx.tracking is not None:
+            ctx.tracking.stage_failed(run)
         raise
     duration = time.perf_counter() - t0
     _fault_point(spec.name)
@@ -211,8 +246,9 @@ def run_stage(spec: StageSpec, ctx: RunContext, compute: Compute) -> StageResult
         metrics=_canonical(out.metrics), started_at=started.isoformat(),
         finished_at=dt.datetime.now(dt.UTC).isoformat(), duration_s=round(duration, 3),
     )
-    manifest.write(stage_dir)
-    _track_finish(ctx, child, spec.name, manifest, [stage_dir / a for a in out.log_artifacts])
+    manifest_path = manifest.write(stage_dir)
+    if ctx.tracking is not None:
+        ctx.tracking.stage_finished(run, manifest, manifest_path, [stage_dir / a for a in out.log_artifacts])
     log.info("%s: done in %.1fs %s", spec.name, duration, json.dumps(out.counts, default=str)[:400])
     return StageResult(spec.name, "ran", str(stage_dir), manifest.counts, manifest.metrics, duration, reason)
 
@@ -224,47 +260,14 @@ def _fault_point(stage: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-# -- tracking glue (all optional: a context without a tracker logs nothing) --------------------
+def progress_logger(log: logging.Logger, what: str, every_s: float = 5.0) -> Callable[[int, int], None]:
+    """A `progress(done, total)` callback for long library loops; logs at most every `every_s` seconds."""
+    last = [0.0]
 
+    def _progress(done: int, total: int) -> None:
+        now = time.monotonic()
+        if done >= total or now - last[0] >= every_s:
+            last[0] = now
+            log.info("%s: %d/%d (%.0f%%)", what, done, total, 100.0 * done / max(total, 1))
 
-def _track_start(ctx: RunContext, stage: str, params: dict[str, Any], reason: str) -> str | None:
-    if ctx.tracker is None:
-        return None
-    from tasks.tracking import flatten
-
-    run_id = ctx.tracker.start_run(stage, {"selfsup.stage": stage, "selfsup.reason": reason[:250]},
-                                   parent_id=ctx.parent_run_id)
-    ctx.tracker.log_params(run_id, flatten("", params))
-    return run_id
-
-
-def _track_end(ctx: RunContext, run_id: str | None, status: str) -> None:
-    if ctx.tracker is not None and run_id:
-        ctx.tracker.end_run(run_id, status)
-
-
-def _track_finish(ctx: RunContext, run_id: str | None, stage: str, manifest: StageManifest,
-                  artifacts: list[Path]) -> None:
-    if ctx.tracker is None or not run_id:
-        return
-    from tasks.tracking import numeric_items
-
-    numbers = numeric_items({"counts": manifest.counts, "metrics": manifest.metrics})
-    ctx.tracker.log_metrics(run_id, {**numbers, "duration_s": manifest.duration_s})
-    ctx.tracker.log_artifact(run_id, ctx.stage_dir(stage) / MANIFEST_NAME, "manifests")
-    for path in artifacts:
-        ctx.tracker.log_artifact(run_id, path, stage)
-    ctx.tracker.end_run(run_id, "FINISHED")
-    if ctx.parent_run_id:
-        ctx.tracker.set_tags(ctx.parent_run_id, {f"stage.{stage}": "ran"})
-        ctx.tracker.log_metrics(ctx.parent_run_id, numeric_items(manifest.counts, f"{stage}."))
-
-
-def _track_skipped(ctx: RunContext, stage: str, manifest: StageManifest) -> None:
-    if ctx.tracker is None or not ctx.parent_run_id:
-        return
-    from tasks.tracking import numeric_items
-
-    ctx.tracker.set_tags(ctx.parent_run_id, {f"stage.{stage}": "skipped (up to date)"})
-    ctx.tracker.log_metrics(ctx.parent_run_id, numeric_items(manifest.counts, f"{stage}."))
-
+    return _progress

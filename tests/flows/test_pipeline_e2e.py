@@ -8,10 +8,10 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from flows.pipeline import run_pipeline
-from flows.report import collect_report
+from flows.summary import collect_report
 from selfsup_model.artifacts import read_manifest, sha256_file
-from selfsup_model.config import build_config
 from selfsup_model.masking import load_masks
+from selfsup_model.presets import build_config
 from selfsup_model.specials import PAD_ID
 
 DETERMINISTIC = [
@@ -91,8 +91,8 @@ def test_mlflow_has_one_parent_and_a_child_per_stage(tiny_run):
 
 
 def test_report_is_recomputable_and_lists_every_method(tiny_run):
-    from selfsup_model.embedding_baselines import sentence_embedding_status
     from selfsup_model.report import recompute_results
+    from selfsup_model.sentence_embeddings import sentence_embedding_status
 
     wd, _, _ = tiny_run
     report = json.loads((wd / "compare" / "report.json").read_text())
@@ -120,7 +120,7 @@ def test_report_is_recomputable_and_lists_every_method(tiny_run):
 
 def test_pretraining_reads_only_the_training_split_and_its_loss_is_recomputable(tiny_run):
     from selfsup_model.evaluation import evaluate_masked_lm
-    from selfsup_model.model import load_keras_model
+    from selfsup_model.saving import load_keras_model
 
     wd, _, _ = tiny_run
     manifest = read_manifest(wd / "pretrain")

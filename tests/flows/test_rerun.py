@@ -5,7 +5,7 @@ import time
 from mlflow.tracking import MlflowClient
 
 from flows.pipeline import run_pipeline
-from selfsup_model.config import build_config
+from selfsup_model.presets import build_config
 
 
 def _statuses(results):

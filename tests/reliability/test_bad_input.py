@@ -10,9 +10,9 @@ import pytest
 
 from flows.cli import main
 from flows.pipeline import run_pipeline
-from flows.report import collect_report
-from selfsup_model.config import build_config
+from flows.summary import collect_report
 from selfsup_model.ingest import REJECT_REASONS, ingest_corpus
+from selfsup_model.presets import build_config
 
 PROSE = [
     "The quick brown fox jumps over the lazy dog near the quiet river bank at dawn.",

@@ -15,8 +15,8 @@ import pytest
 from prefect.settings import PREFECT_API_URL
 
 from flows.cli import main
+from flows.lock import workdir_lock
 from selfsup_model.artifacts import sha256_file
-from tasks.lock import workdir_lock
 
 ROOT = Path(__file__).resolve().parents[2]
 DETERMINISTIC = [

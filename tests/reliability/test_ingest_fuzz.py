@@ -17,7 +17,9 @@ from selfsup_model.ingest import REJECT_REASONS, ingest_corpus
 contents = st.one_of(
     st.binary(max_size=300),
     st.text(max_size=300).map(lambda t: t.encode("utf-8", "surrogatepass")),
-    st.text(alphabet=st.characters(categories=["L", "Zs", "P"]), min_size=20, max_size=200).map(str.encode),
+    st.text(alphabet=st.characters(categories=["L", "Zs", "P"]), min_size=20, max_size=200).map(
+        str.encode
+    ),
 )
 files = st.lists(st.tuples(st.sampled_from(["a", "b", "c"]), contents), min_size=1, max_size=12)
 
@@ -33,10 +35,12 @@ def test_random_files_are_each_kept_or_rejected_with_a_reason(entries):
         try:
             result = ingest_corpus(str(root), "folder", IngestConfig(min_chars=10))
         except CorpusError as exc:
-            assert "yielded no usable documents" in str(exc)  # the one documented whole-corpus outcome
+            # the one documented whole-corpus outcome
+            assert "yielded no usable documents" in str(exc)
             return
         c = result.counts
-        assert c["read"] == len(entries) == c["kept"] + sum(c[f"rejected_{r}"] for r in REJECT_REASONS)
+        rejected = sum(c[f"rejected_{r}"] for r in REJECT_REASONS)
+        assert c["read"] == len(entries) == c["kept"] + rejected
         assert set(result.documents["id"]).isdisjoint(result.rejects["id"])
         assert result.documents["text"].map(len).min() >= 10
         assert set(result.rejects["reason"]) <= set(REJECT_REASONS)
