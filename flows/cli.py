@@ -3,27 +3,34 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import os
 import sys
-from collections.abc import Sequence
+import tempfile
+import typing
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from selfsup_model.config import PRESETS
+from selfsup_model.config import DEFAULT_WORKDIR, CorpusFormat
 from selfsup_model.errors import UserError
+from selfsup_model.presets import PRESETS
 
 EXIT_USER_ERROR = 2
+_LAST = "as the workdir was last run, else"
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--corpus", default="pydocs",
+    p.add_argument("--corpus",
                    help="corpus folder (one sub-folder per label), table (.csv/.jsonl/.parquet) or 'pydocs' "
-                        "(the embedded default) [default: pydocs]")
-    p.add_argument("--format", dest="corpus_format", default="auto", choices=["auto", "folder", "table", "pydocs"],
-                   help="corpus kind [default: auto, from the path]")
-    p.add_argument("--workdir", default="data/runs/default", help="where stage outputs go [default: %(default)s]")
-    p.add_argument("--preset", default="demo", choices=sorted(PRESETS),
-                   help="size preset: tiny (tests), demo (default, <=15 min on 2 CPU cores), base (GPU)")
+                        f"(the embedded default) [default: {_LAST} pydocs]")
+    p.add_argument("--format", dest="corpus_format", choices=typing.get_args(CorpusFormat),
+                   help=f"corpus kind [default: {_LAST} auto, from the path]")
+    p.add_argument("--workdir", default=DEFAULT_WORKDIR, help="where stage outputs go [default: %(default)s]")
+    p.add_argument("--preset", choices=sorted(PRESETS),
+                   help="size preset: tiny (tests), demo (<=15 min on 2 CPU cores), base (GPU) "
+                        f"[default: {_LAST} demo]")
     p.add_argument("--config", dest="config_file", help="YAML file with config sections overriding the preset")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override one setting, e.g. --set dedup.threshold=0.85 (repeatable)")
@@ -49,22 +56,43 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(stages)
 
     report = sub.add_parser("report", help="print every stage's counts and metrics")
-    report.add_argument("--workdir", default="data/runs/default", help="[default: %(default)s]")
+    report.add_argument("--workdir", default=DEFAULT_WORKDIR, help="[default: %(default)s]")
     report.add_argument("--json", action="store_true", help="one JSON object (what scripts and tests read)")
 
     ui = sub.add_parser("ui", help="start the MLflow UI on 127.0.0.1 for a workdir's run store")
-    ui.add_argument("--workdir", default="data/runs/default", help="[default: %(default)s]")
+    ui.add_argument("--workdir", default=DEFAULT_WORKDIR, help="[default: %(default)s]")
     ui.add_argument("--port", type=int, default=5000, help="[default: %(default)s]")
     return parser
 
 
-def _cmd_run(args: argparse.Namespace) -> int:
-    from flows.pipeline import pipeline_flow, resolve_config
+def _settings(args: argparse.Namespace):
+    from flows.settings import resolve_settings
 
-    cfg = resolve_config(args.preset, None, args.overrides, args.config_file)
-    results = pipeline_flow(corpus=args.corpus, corpus_format=args.corpus_format, workdir=args.workdir,
-                            preset=args.preset, config=cfg, only=args.only, from_stage=args.from_stage,
-                            to_stage=args.to_stage, force=args.force, tracking=not args.no_tracking)
+    return resolve_settings(args.workdir, args.corpus, args.corpus_format, args.preset, args.config_file,
+                            args.overrides)
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from selfsup_model.ingest import check_corpus
+    from tasks.registry import STAGE_NAMES, select_stages
+
+    # Everything a user can get wrong is checked here, in well under a second, before
+    # TensorFlow, Prefect or a temporary Prefect server start.
+    settings = _settings(args)
+    select_stages(args.only, args.from_stage, args.to_stage)
+    unknown = [f for f in args.force if f not in STAGE_NAMES]
+    if unknown:
+        raise UserError(f"unknown stage(s) for --force: {', '.join(unknown)}; stages are: {', '.join(STAGE_NAMES)}")
+    if args.only in (None, "ingest") and args.from_stage in (None, "ingest"):
+        check_corpus(settings.corpus, settings.corpus_format, settings.config.ingest)
+    with _native_startup_logs_held():
+        import keras  # noqa: F401 - loads the backend (TensorFlow by default) while its C++ logs are held
+
+        from flows.pipeline import pipeline_flow
+    results = pipeline_flow(corpus=settings.corpus, corpus_format=settings.corpus_format, workdir=args.workdir,
+                            preset=settings.preset, config=settings.config, only=args.only,
+                            from_stage=args.from_stage, to_stage=args.to_stage, force=args.force,
+                            tracking=not args.no_tracking)
     for r in results:
         print(f"  {r['stage']:<10} {r['status']:<8} {r['duration_s']:7.1f}s  {r['reason']}")
     _print_comparison(Path(args.workdir) / "compare")
@@ -85,21 +113,45 @@ def _print_comparison(compare_dir: Path) -> None:
         print(f"Plots:   {compare_dir}/{{{','.join(plots)}}}")
 
 
+@contextlib.contextmanager
+def _native_startup_logs_held() -> Iterator[None]:
+    """TensorFlow writes its C++ start-up lines (oneDNN, absl, CPU features) straight to file
+    descriptor 2 while it is imported; hold them back, and show them only if the import fails.
+    SELFSUP_TF_LOGS=1 lets them through."""
+    if os.environ.get("SELFSUP_TF_LOGS") == "1":
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        except BaseException:
+            os.dup2(saved, 2)
+            held.seek(0)
+            sys.stderr.write(held.read().decode("utf-8", "replace"))
+            raise
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
 def _cmd_stages(args: argparse.Namespace) -> int:
-    from flows.pipeline import resolve_config
     from tasks.registry import PIPELINE
     from tasks.stage import RunContext, check_stage
 
-    cfg = resolve_config(args.preset, None, args.overrides, args.config_file)
-    ctx = RunContext(workdir=Path(args.workdir), config=cfg, corpus=args.corpus, corpus_format=args.corpus_format)
-    for spec, _ in PIPELINE:
+    settings = _settings(args)
+    ctx = RunContext(workdir=Path(args.workdir), config=settings.config, corpus=settings.corpus,
+                     corpus_format=settings.corpus_format)
+    for spec in PIPELINE:
         status, why = check_stage(spec, ctx)
         print(f"{spec.name:<10} {status:<10} {why}")
     return 0
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from flows.report import collect_report
+    from flows.summary import collect_report
 
     report = collect_report(args.workdir)
     if args.json:
@@ -118,7 +170,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
 def _cmd_ui(args: argparse.Namespace) -> int:
     import subprocess
 
-    from tasks.tracking import default_tracking_uri
+    from flows.tracking import default_tracking_uri
 
     uri = default_tracking_uri(Path(args.workdir))
     print(f"MLflow UI for {uri} at http://127.0.0.1:{args.port}  (Ctrl-C to stop)", flush=True)
@@ -183,6 +235,8 @@ COMMANDS = {"run": _cmd_run, "stages": _cmd_stages, "report": _cmd_report, "ui":
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # TensorFlow's runtime C++ logging (INFO and WARNING) stays off unless the user asked for it.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     args = build_parser().parse_args(argv)
     _configure_logging()
     if not args.debug:

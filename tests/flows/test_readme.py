@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from flows.cli import build_parser
-from flows.pipeline import select_stages
-from selfsup_model.config import build_config
+from flows.settings import resolve_settings
+from tasks.registry import select_stages
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -40,10 +40,10 @@ def test_readme_shows_the_two_commands():
 
 
 @pytest.mark.parametrize("words", [c for c in COMMANDS if Path(c[0]).name == "selfsup"], ids=" ".join)
-def test_selfsup_commands_parse_and_validate(words):
+def test_selfsup_commands_parse_and_validate(words, tmp_path):
     args = build_parser().parse_args(words[1:])
-    if args.command in ("run", "stages"):
-        build_config(args.preset, None, args.overrides)  # every --set key exists and is valid
+    if args.command in ("run", "stages"):  # every --set key exists and is valid
+        resolve_settings(tmp_path, args.corpus, args.corpus_format, args.preset, None, args.overrides)
     if args.command == "run":
         select_stages(args.only, args.from_stage, args.to_stage)
 
