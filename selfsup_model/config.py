@@ -28,6 +28,12 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def _sums_to_one(section: str, names: tuple[str, ...], values: tuple[float, ...]) -> None:
+    total = sum(values)
+    if abs(total - 1.0) > 1e-6:
+        raise ValueError(f"{' + '.join(f'{section}.{n}' for n in names)} must sum to 1 (got {total:g})")
+
+
 class IngestConfig(_Section):
     min_chars: int = Field(40, ge=1, description="Documents shorter than this (after normalisation) are rejected.")
     max_chars: int = Field(200_000, ge=1, description="Longer documents are rejected as too_long.")
@@ -70,9 +76,7 @@ class SplitConfig(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> SplitConfig:
-        total = self.train + self.val + self.test
-        if abs(total - 1.0) > 1e-6:
-            raise ValueError(f"split.train + split.val + split.test must sum to 1 (got {total:g})")
+        _sums_to_one("split", ("train", "val", "test"), (self.train, self.val, self.test))
         return self
 
 
@@ -108,9 +112,8 @@ class MaskingConfig(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> MaskingConfig:
-        total = self.mask_rate + self.random_rate + self.keep_rate
-        if abs(total - 1.0) > 1e-6:
-            raise ValueError(f"masks.mask_rate + random_rate + keep_rate must sum to 1 (got {total:g})")
+        _sums_to_one("masks", ("mask_rate", "random_rate", "keep_rate"), (self.mask_rate, self.random_rate,
+                                                                          self.keep_rate))
         return self
 
 
