@@ -83,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['selection']:>9}  {r['batch'][0]}x{r['batch'][1]}  "
                 f"{r['ms_per_batch']:.3f} ms/batch  {r['tokens_per_s'] / 1e6:.1f} M tokens/s  "
                 f"({r['real_tokens_per_s'] / 1e6:.1f} M real tokens/s)  "
-                f"target {TARGET_TOKENS_PER_S / 1e6:.0f} M: {'met' if r['meets_target'] else 'MISSED'}"
+                f"target {TARGET_TOKENS_PER_S / 1e6:.0f} M: "
+                f"{'met' if r['meets_target'] else 'MISSED'}"
             )
     return 0 if all(r["meets_target"] for r in results) else 1
 

@@ -34,7 +34,8 @@ from selfsup_model.config import MaskingConfig, ModelConfig, PretrainConfig
 from selfsup_model.presets import build_config
 from selfsup_model.specials import PAD_ID
 
-REFERENCE = {"hidden": 256, "layers": 4, "ff": 1024, "vocab": 8192, "seq": 128, "batch": 32}  # heads = 4
+REFERENCE = {"hidden": 256, "layers": 4, "ff": 1024, "vocab": 8192, "seq": 128,  # heads = 4
+             "batch": 32}
 REFERENCE_TARGET_TOKENS_PER_S = 9_000
 
 
@@ -45,15 +46,17 @@ def size_spec(name: str, args) -> dict:
         spec["predictions"], spec["dropout"] = args.predictions, args.dropout
         return {"name": "custom", **spec}
     cfg = build_config(name)
-    return {"name": name, "hidden": cfg.model.hidden, "layers": cfg.model.layers, "heads": cfg.model.heads,
-            "ff": cfg.model.ff, "vocab": cfg.tokenizer.vocab_size, "seq": cfg.encode.max_len,
+    return {"name": name, "hidden": cfg.model.hidden, "layers": cfg.model.layers,
+            "heads": cfg.model.heads, "ff": cfg.model.ff, "vocab": cfg.tokenizer.vocab_size,
+            "seq": cfg.encode.max_len,
             "batch": cfg.pretrain.batch_size, "predictions": cfg.masks.max_predictions,
             "dropout": cfg.model.dropout if args.dropout is None else args.dropout}
 
 
 def flops_per_token(spec: dict, non_embedding_params: int) -> float:
     head = spec["vocab"] * spec["hidden"] * spec["predictions"] / spec["seq"]
-    return 6.0 * (non_embedding_params + head) + 12.0 * spec["layers"] * spec["seq"] * spec["hidden"]
+    return (6.0 * (non_embedding_params + head)
+            + 12.0 * spec["layers"] * spec["seq"] * spec["hidden"])
 
 
 def time_data(data, steps: int) -> float:
@@ -72,15 +75,16 @@ def bench_size(spec: dict, args) -> dict:
     from selfsup_model.pretrain_data import PretrainBatches
     from selfsup_model.pretraining import build_optimizer, resolve_jit, resolve_precision
 
-    model_cfg = ModelConfig(hidden=spec["hidden"], layers=spec["layers"], heads=spec["heads"], ff=spec["ff"],
-                            dropout=spec["dropout"])
+    model_cfg = ModelConfig(hidden=spec["hidden"], layers=spec["layers"], heads=spec["heads"],
+                            ff=spec["ff"], dropout=spec["dropout"])
     total = args.warmup + args.steps
     pre_cfg = PretrainConfig(batch_size=spec["batch"], steps=total, warmup_steps=min(10, total),
                              mixed_precision=args.precision, jit=args.jit)
     masks = MaskingConfig(max_predictions=spec["predictions"])
-    windows = synthetic_windows(np.random.default_rng(0), max(4 * spec["batch"], 512), spec["seq"], spec["vocab"])
-    data = PretrainBatches(windows, objective="mlm", batch_size=spec["batch"], total_steps=total, seed=0,
-                           masking=masks, vocab_size=spec["vocab"])
+    windows = synthetic_windows(np.random.default_rng(0), max(4 * spec["batch"], 512), spec["seq"],
+                                spec["vocab"])
+    data = PretrainBatches(windows, objective="mlm", batch_size=spec["batch"], total_steps=total,
+                           seed=0, masking=masks, vocab_size=spec["vocab"])
     data_s = time_data(data, min(args.steps, 50))
 
     keras.utils.set_random_seed(0)
@@ -103,7 +107,8 @@ def bench_size(spec: dict, args) -> dict:
             times.append(time.perf_counter() - self.t)
 
     compile_start = time.perf_counter()
-    model.fit(data, epochs=1, steps_per_epoch=total, verbose=0, shuffle=False, callbacks=[StepTimer()])
+    model.fit(data, epochs=1, steps_per_epoch=total, verbose=0, shuffle=False,
+              callbacks=[StepTimer()])
     wall = time.perf_counter() - compile_start
     # Median: the typical step; best: what the machine does when nothing else competes for it.
     step_s, best_s = float(np.median(times[args.warmup:])), float(np.min(times[args.warmup:]))
@@ -114,7 +119,8 @@ def bench_size(spec: dict, args) -> dict:
            "step_ms": round(step_s * 1e3, 2), "data_ms": round(data_s * 1e3, 2),
            "data_share": round(data_s / step_s, 3), "tokens_per_s": round(tokens_per_s),
            "tokens_per_s_best_step": round(spec["batch"] * spec["seq"] / best_s),
-           "gflops_per_token": round(fpt / 1e9, 5), "achieved_tflops": round(tokens_per_s * fpt / 1e12, 4),
+           "gflops_per_token": round(fpt / 1e9, 5),
+           "achieved_tflops": round(tokens_per_s * fpt / 1e12, 4),
            "warmup_s": round(sum(times[:args.warmup]), 2), "wall_s": round(wall, 2)}
     if args.peak_tflops:
         out["mfu"] = round(tokens_per_s * fpt / (args.peak_tflops * 1e12), 4)
@@ -131,12 +137,13 @@ def bench_hf(spec: dict, args) -> dict | None:
               "(pip install torch transformers) to compare", file=sys.stderr)
         return None
     torch.manual_seed(0)
-    cfg = BertConfig(vocab_size=spec["vocab"], hidden_size=spec["hidden"], num_hidden_layers=spec["layers"],
-                     num_attention_heads=spec["heads"], intermediate_size=spec["ff"],
-                     max_position_embeddings=spec["seq"])
+    cfg = BertConfig(vocab_size=spec["vocab"], hidden_size=spec["hidden"],
+                     num_hidden_layers=spec["layers"], num_attention_heads=spec["heads"],
+                     intermediate_size=spec["ff"], max_position_embeddings=spec["seq"])
     model = BertForMaskedLM(cfg).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    ids = torch.from_numpy(synthetic_windows(np.random.default_rng(0), spec["batch"], spec["seq"], spec["vocab"])
+    ids = torch.from_numpy(synthetic_windows(np.random.default_rng(0), spec["batch"], spec["seq"],
+                                             spec["vocab"])
                            .astype(np.int64))
     labels = torch.full_like(ids, -100)
     labels[:, 1:1 + spec["predictions"]] = ids[:, 1:1 + spec["predictions"]]
@@ -149,22 +156,28 @@ def bench_hf(spec: dict, args) -> dict | None:
         opt.zero_grad()
         times.append(time.perf_counter() - t)
     step_s = float(np.median(times[args.warmup:]))
-    return {"name": f"{spec['name']} (hf torch {torch.__version__}, {torch.get_num_threads()} threads)",
-            "step_ms": round(step_s * 1e3, 2), "tokens_per_s": round(spec["batch"] * spec["seq"] / step_s)}
+    return {"name": f"{spec['name']} (hf torch {torch.__version__}, "
+                    f"{torch.get_num_threads()} threads)",
+            "step_ms": round(step_s * 1e3, 2),
+            "tokens_per_s": round(spec["batch"] * spec["seq"] / step_s)}
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--sizes", default="tiny,demo", help="comma-separated presets (tiny, demo, base)")
-    p.add_argument("--size", choices=["custom"], help="measure one custom size from the flags below")
-    p.add_argument("--config-4x256", action="store_true", help="the reference: 4 x 256, ff 1024, V 8192, L 128, B 32")
+    p.add_argument("--sizes", default="tiny,demo",
+                   help="comma-separated presets (tiny, demo, base)")
+    p.add_argument("--size", choices=["custom"],
+                   help="measure one custom size from the flags below")
+    p.add_argument("--config-4x256", action="store_true",
+                   help="the reference: 4 x 256, ff 1024, V 8192, L 128, B 32")
     for name, default in REFERENCE.items():
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--heads", type=int, default=0, help="default hidden // 64")
-    p.add_argument("--predictions", type=int, default=20, help="gathered MLM positions per sequence")
+    p.add_argument("--predictions", type=int, default=20,
+                   help="gathered MLM positions per sequence")
     p.add_argument("--dropout", type=float, default=None,
-                   help="override the size's dropout (custom default 0.1); dropout's random draws are "
-                        "a large share of a CPU step")
+                   help="override the size's dropout (custom default 0.1); dropout's random "
+                        "draws are a large share of a CPU step")
     p.add_argument("--steps", type=int, default=20, help="timed steps")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps (tracing, XLA compile)")
     p.add_argument("--jit", choices=["auto", "on", "off"], default="auto")
@@ -199,8 +212,8 @@ def main(argv=None) -> int:
 
 
 def _line(r: dict) -> str:
-    keys = ("name", "backend", "policy", "jit", "dropout", "params", "step_ms", "data_ms", "data_share", "tokens_per_s",
-            "tokens_per_s_best_step",
+    keys = ("name", "backend", "policy", "jit", "dropout", "params", "step_ms", "data_ms",
+            "data_share", "tokens_per_s", "tokens_per_s_best_step",
             "gflops_per_token", "achieved_tflops", "mfu", "warmup_s", "meets_target")
     return "  ".join(f"{k}={r[k]}" for k in keys if k in r)
 

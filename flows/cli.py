@@ -23,41 +23,49 @@ _LAST = "as the workdir was last run, else"
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--corpus",
-                   help="corpus folder (one sub-folder per label), table (.csv/.jsonl/.parquet) or 'pydocs' "
-                        f"(the embedded default) [default: {_LAST} pydocs]")
+                   help="corpus folder (one sub-folder per label), table (.csv/.jsonl/.parquet) "
+                        f"or 'pydocs' (the embedded default) [default: {_LAST} pydocs]")
     p.add_argument("--format", dest="corpus_format", choices=typing.get_args(CorpusFormat),
                    help=f"corpus kind [default: {_LAST} auto, from the path]")
-    p.add_argument("--workdir", default=DEFAULT_WORKDIR, help="where stage outputs go [default: %(default)s]")
+    p.add_argument("--workdir", default=DEFAULT_WORKDIR,
+                   help="where stage outputs go [default: %(default)s]")
     p.add_argument("--preset", choices=sorted(PRESETS),
                    help="size preset: tiny (tests), demo (<=15 min on 2 CPU cores), base (GPU) "
                         f"[default: {_LAST} demo]")
-    p.add_argument("--config", dest="config_file", help="YAML file with config sections overriding the preset")
+    p.add_argument("--config", dest="config_file",
+                   help="YAML file with config sections overriding the preset")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override one setting, e.g. --set dedup.threshold=0.85 (repeatable)")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="selfsup", description=(
-        "Raw text corpus -> deduplicated, leak-safe splits -> tokenizer -> self-supervised Transformer "
-        "encoder -> fine-tuned classifier, compared against baselines. Tracked in MLflow, orchestrated by Prefect."))
+        "Raw text corpus -> deduplicated, leak-safe splits -> tokenizer -> self-supervised "
+        "Transformer encoder -> fine-tuned classifier, compared against baselines. "
+        "Tracked in MLflow, orchestrated by Prefect."))
     parser.add_argument("--debug", action="store_true", help="show tracebacks for user errors")
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="run the pipeline (stages that are up to date are skipped)")
     _add_config_args(run)
     run.add_argument("--only", metavar="STAGE", help="run just this stage (its inputs must exist)")
-    run.add_argument("--from", dest="from_stage", metavar="STAGE", help="rerun this stage and everything after it")
-    run.add_argument("--to", dest="to_stage", metavar="STAGE", help="stop after this stage (e.g. --to masks)")
+    run.add_argument("--from", dest="from_stage", metavar="STAGE",
+                     help="rerun this stage and everything after it")
+    run.add_argument("--to", dest="to_stage", metavar="STAGE",
+                     help="stop after this stage (e.g. --to masks)")
     run.add_argument("--force", action="append", default=[], metavar="STAGE",
-                     help="rerun this stage even if up to date; downstream reruns if its inputs change (repeatable)")
+                     help="rerun this stage even if up to date; downstream reruns if its inputs "
+                          "change (repeatable)")
     run.add_argument("--no-tracking", action="store_true", help="do not log to MLflow")
 
-    stages = sub.add_parser("stages", help="list the stages in order with their status for a workdir")
+    stages = sub.add_parser("stages",
+                            help="list the stages in order with their status for a workdir")
     _add_config_args(stages)
 
     report = sub.add_parser("report", help="print every stage's counts and metrics")
     report.add_argument("--workdir", default=DEFAULT_WORKDIR, help="[default: %(default)s]")
-    report.add_argument("--json", action="store_true", help="one JSON object (what scripts and tests read)")
+    report.add_argument("--json", action="store_true",
+                        help="one JSON object (what scripts and tests read)")
 
     ui = sub.add_parser("ui", help="start the MLflow UI on 127.0.0.1 for a workdir's run store")
     ui.add_argument("--workdir", default=DEFAULT_WORKDIR, help="[default: %(default)s]")
@@ -68,8 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _settings(args: argparse.Namespace):
     from flows.settings import resolve_settings
 
-    return resolve_settings(args.workdir, args.corpus, args.corpus_format, args.preset, args.config_file,
-                            args.overrides)
+    return resolve_settings(args.workdir, args.corpus, args.corpus_format, args.preset,
+                            args.config_file, args.overrides)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -82,21 +90,24 @@ def _cmd_run(args: argparse.Namespace) -> int:
     select_stages(args.only, args.from_stage, args.to_stage)
     unknown = [f for f in args.force if f not in STAGE_NAMES]
     if unknown:
-        raise UserError(f"unknown stage(s) for --force: {', '.join(unknown)}; stages are: {', '.join(STAGE_NAMES)}")
+        raise UserError(f"unknown stage(s) for --force: {', '.join(unknown)}; "
+                        f"stages are: {', '.join(STAGE_NAMES)}")
     if args.only in (None, "ingest") and args.from_stage in (None, "ingest"):
         check_corpus(settings.corpus, settings.corpus_format, settings.config.ingest)
     with _native_startup_logs_held():
-        import keras  # noqa: F401 - loads the backend (TensorFlow by default) while its C++ logs are held
+        # keras loads the backend (TensorFlow by default) while its C++ logs are held
+        import keras  # noqa: F401
 
         from flows.pipeline import pipeline_flow
-    results = pipeline_flow(corpus=settings.corpus, corpus_format=settings.corpus_format, workdir=args.workdir,
-                            preset=settings.preset, config=settings.config, only=args.only,
-                            from_stage=args.from_stage, to_stage=args.to_stage, force=args.force,
-                            tracking=not args.no_tracking)
+    results = pipeline_flow(corpus=settings.corpus, corpus_format=settings.corpus_format,
+                            workdir=args.workdir, preset=settings.preset, config=settings.config,
+                            only=args.only, from_stage=args.from_stage, to_stage=args.to_stage,
+                            force=args.force, tracking=not args.no_tracking)
     for r in results:
         print(f"  {r['stage']:<10} {r['status']:<8} {r['duration_s']:7.1f}s  {r['reason']}")
     _print_comparison(Path(args.workdir) / "compare")
-    print(f"Outputs: {args.workdir}/<stage>/   Summary: selfsup report --workdir {args.workdir} --json")
+    print(f"Outputs: {args.workdir}/<stage>/   "
+          f"Summary: selfsup report --workdir {args.workdir} --json")
     print(f"MLflow:  selfsup ui --workdir {args.workdir}")
     return 0
 
@@ -106,7 +117,8 @@ def _print_comparison(compare_dir: Path) -> None:
     report = compare_dir / "report.md"
     if not report.is_file():
         return
-    body = report.read_text("utf-8").split("## Context")[0].replace("# selfsup comparison", "").strip()
+    body = (report.read_text("utf-8").split("## Context")[0]
+            .replace("# selfsup comparison", "").strip())
     print(f"\n{body}\n")
     plots = sorted(p.name for p in compare_dir.glob("*.png"))
     if plots:
@@ -158,7 +170,8 @@ def _cmd_report(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2, sort_keys=True))
         return 0
     for name, info in report["stages"].items():
-        counts = ", ".join(f"{k}={v}" for k, v in (info.get("counts") or {}).items() if not isinstance(v, dict))
+        counts = ", ".join(f"{k}={v}" for k, v in (info.get("counts") or {}).items()
+                           if not isinstance(v, dict))
         print(f"{name:<10} {info['status']:<9} {counts}")
     if report["accounting"]:
         a = report["accounting"]
@@ -180,7 +193,8 @@ def _cmd_ui(args: argparse.Namespace) -> int:
 
 
 class _CurrentStderrHandler(logging.StreamHandler):
-    """Writes to whatever sys.stderr is now (not the one at start-up), so redirections are honoured."""
+    """Writes to whatever sys.stderr is now (not the one at start-up), so redirections are
+    honoured."""
 
     @property
     def stream(self):
@@ -192,7 +206,8 @@ class _CurrentStderrHandler(logging.StreamHandler):
 
 
 class _HideUserErrorTracebacks(logging.Filter):
-    """A user error is printed once, as one line, by main(); Prefect's copies with tracebacks are dropped."""
+    """A user error is printed once, as one line, by main(); Prefect's copies with tracebacks are
+    dropped."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not _mentions_user_error(record)
@@ -210,7 +225,8 @@ def _mentions_user_error(record: logging.LogRecord) -> bool:
 def _quiet_prefect_user_errors() -> None:
     """Filter on Prefect's run loggers themselves: Prefect rebuilds its handlers when it starts a
     temporary server, but logger-level filters survive that."""
-    for name in ("prefect.flow_runs", "prefect.task_runs", "prefect.flow_engine", "prefect.task_engine"):
+    for name in ("prefect.flow_runs", "prefect.task_runs", "prefect.flow_engine",
+                 "prefect.task_engine"):
         logger = logging.getLogger(name)
         if not any(isinstance(f, _HideUserErrorTracebacks) for f in logger.filters):
             logger.addFilter(_HideUserErrorTracebacks())
@@ -219,13 +235,14 @@ def _quiet_prefect_user_errors() -> None:
 def _configure_logging() -> None:
     """selfsup's own progress lines on the terminal.
 
-    Prefect sends the "selfsup" logger to its API (PREFECT_LOGGING_EXTRA_LOGGERS) without propagating
-    it, so the console handler is attached to that logger itself, not to the root.
+    Prefect sends the "selfsup" logger to its API (PREFECT_LOGGING_EXTRA_LOGGERS) without
+    propagating it, so the console handler is attached to that logger itself, not to the root.
     """
     ours = logging.getLogger("selfsup")
     if not any(isinstance(h, _CurrentStderrHandler) for h in ours.handlers):
         handler = _CurrentStderrHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S"))
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(message)s",
+                                               datefmt="%H:%M:%S"))
         ours.addHandler(handler)
     ours.setLevel(logging.INFO)
     ours.propagate = False  # the handler above prints it; the root would print it twice

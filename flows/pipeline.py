@@ -47,22 +47,26 @@ def run_pipeline(
     stages = stages or list(STAGE_NAMES)
     unknown = [f for f in force if f not in STAGE_NAMES]
     if unknown:
-        raise UserError(f"unknown stage(s) for --force: {', '.join(unknown)}; stages are: {', '.join(STAGE_NAMES)}")
+        raise UserError(f"unknown stage(s) for --force: {', '.join(unknown)}; "
+                        f"stages are: {', '.join(STAGE_NAMES)}")
     wd = Path(workdir)
     with workdir_lock(wd):
         _record_settings(wd, RunSettings(str(corpus), corpus_format, preset, config))
         tracker = parent = None
         if tracking:
-            tracker = Tracker(default_tracking_uri(wd), config.experiment, artifact_root=wd / "mlartifacts")
+            tracker = Tracker(default_tracking_uri(wd), config.experiment,
+                              artifact_root=wd / "mlartifacts")
             parent = tracker.start_run(f"pipeline:{Path(str(corpus)).name}", {
-                "selfsup.corpus": str(corpus), "selfsup.preset": preset, "selfsup.workdir": str(wd.resolve()),
+                "selfsup.corpus": str(corpus), "selfsup.preset": preset,
+                "selfsup.workdir": str(wd.resolve()),
                 "selfsup.objective": config.pretrain.objective, "selfsup.stages": ",".join(stages),
                 "mlflow.note.content": f"selfsup pipeline on `{corpus}` (preset `{preset}`); "
                                        "child runs hold each executed stage.",
             })
             tracker.log_params(parent, flatten("", config.model_dump(mode="json")))
         ctx = RunContext(workdir=wd, config=config, corpus=str(corpus), corpus_format=corpus_format,
-                         force=frozenset(force), tracking=PipelineTracking(tracker, parent) if tracker else None)
+                         force=frozenset(force),
+                         tracking=PipelineTracking(tracker, parent) if tracker else None)
         tasks = stage_tasks()
         results: list[StageResult] = []
         try:
@@ -83,7 +87,8 @@ def _record_settings(workdir: Path, settings: RunSettings) -> None:
     if before is not None:
         changed = changed_keys(before, settings)
         if changed:
-            shown = ", ".join(changed[:8]) + (f" and {len(changed) - 8} more" if len(changed) > 8 else "")
+            shown = ", ".join(changed[:8]) + (f" and {len(changed) - 8} more"
+                                              if len(changed) > 8 else "")
             rerun = stages_shaped_by(changed)
             log.info("settings differ from this workdir's last run (%s): %s will rerun", shown,
                      ", ".join(rerun) if rerun else "no stage")
@@ -109,7 +114,8 @@ def pipeline_flow(
     force = list(force or [])
     if from_stage:
         force.append(from_stage)
-    results = run_pipeline(cfg, corpus, corpus_format, workdir, select_stages(only, from_stage, to_stage), force, preset,
+    results = run_pipeline(cfg, corpus, corpus_format, workdir,
+                           select_stages(only, from_stage, to_stage), force, preset,
                            tracking=tracking)
     return [r.__dict__ for r in results]
 
@@ -126,5 +132,6 @@ def stage_flow(
 ) -> list[dict[str, Any]]:
     """Rerun one named stage (its inputs must already exist in the workdir)."""
     cfg = resolve_config(preset, config, overrides or [])
-    results = run_pipeline(cfg, corpus, corpus_format, workdir, select_stages(only=stage), [stage], preset)
+    results = run_pipeline(cfg, corpus, corpus_format, workdir, select_stages(only=stage),
+                           [stage], preset)
     return [r.__dict__ for r in results]

@@ -42,16 +42,19 @@ def read_settings(workdir: str | Path) -> RunSettings | None:
         return None
     try:
         data = json.loads(path.read_text("utf-8"))
-        return RunSettings(data["corpus"], data["corpus_format"], data["preset"], validate_config(data["config"]))
+        return RunSettings(data["corpus"], data["corpus_format"], data["preset"],
+                           validate_config(data["config"]))
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ArtifactError(f"{path} is unreadable ({exc}); delete it to start from the defaults") from None
+        raise ArtifactError(f"{path} is unreadable ({exc}); "
+                            "delete it to start from the defaults") from None
 
 
 def write_settings(workdir: str | Path, settings: RunSettings) -> Path:
     return atomic_write_json(Path(workdir) / SETTINGS_NAME, settings.to_dict())
 
 
-def resolve_settings(workdir: str | Path, corpus: str | None = None, corpus_format: CorpusFormat | None = None,
+def resolve_settings(workdir: str | Path, corpus: str | None = None,
+                     corpus_format: CorpusFormat | None = None,
                      preset: str | None = None, config_file: str | None = None,
                      overrides: list[str] | tuple[str, ...] = ()) -> RunSettings:
     """Command-line choices over the workdir's stored settings over the defaults.
@@ -68,7 +71,8 @@ def resolve_settings(workdir: str | Path, corpus: str | None = None, corpus_form
     else:
         config = build_config(preset or DEFAULTS["preset"], config_file, overrides)
     base = stored.to_dict() if stored is not None else DEFAULTS
-    return RunSettings(corpus=corpus or base["corpus"], corpus_format=corpus_format or base["corpus_format"],
+    return RunSettings(corpus=corpus or base["corpus"],
+                       corpus_format=corpus_format or base["corpus_format"],
                        preset=preset or base["preset"], config=config)
 
 
@@ -76,7 +80,8 @@ def changed_keys(before: RunSettings, after: RunSettings) -> list[str]:
     """Dotted names of the settings that differ (corpus and format included)."""
     def flat(prefix: str, value: Any) -> dict[str, Any]:
         if isinstance(value, dict):
-            return {k: v for key, sub in value.items() for k, v in flat(f"{prefix}{key}.", sub).items()}
+            return {k: v for key, sub in value.items()
+                    for k, v in flat(f"{prefix}{key}.", sub).items()}
         return {prefix[:-1]: value}
 
     a, b = flat("", before.to_dict()), flat("", after.to_dict())

@@ -1,4 +1,5 @@
-"""MLflow tracking with explicit run ids: one parent run per pipeline run, one child per executed stage.
+"""MLflow tracking with explicit run ids: one parent run per pipeline run, one child per
+executed stage.
 
 Nothing here relies on MLflow's thread-local "active run": every call names its
 run id, so Prefect's task threads and a resumed run cannot log to the wrong place.
@@ -68,13 +69,15 @@ class Tracker:
         except Exception as exc:  # noqa: BLE001 - any failure here means the store is unusable
             raise UserError(
                 f"MLflow tracking store {tracking_uri} is unavailable ({type(exc).__name__}: "
-                f"{str(exc).splitlines()[0][:200]}); fix MLFLOW_TRACKING_URI or run with --no-tracking"
+                f"{str(exc).splitlines()[0][:200]}); "
+                "fix MLFLOW_TRACKING_URI or run with --no-tracking"
             ) from None
         if found is not None:
             self.experiment_id = found.experiment_id
         else:
             location = artifact_root.resolve().as_uri() if artifact_root else None
-            self.experiment_id = self.client.create_experiment(experiment, artifact_location=location)
+            self.experiment_id = self.client.create_experiment(experiment,
+                                                               artifact_location=location)
 
     def start_run(self, name: str, tags: Mapping[str, str], parent_id: str | None = None) -> str:
         tags = dict(tags)
@@ -97,7 +100,8 @@ class Tracker:
     def set_tags(self, run_id: str, tags: Mapping[str, str]) -> None:
         self.client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
 
-    def log_artifact(self, run_id: str, path: str | os.PathLike, artifact_path: str | None = None) -> None:
+    def log_artifact(self, run_id: str, path: str | os.PathLike,
+                     artifact_path: str | None = None) -> None:
         self.client.log_artifact(run_id, str(path), artifact_path)
 
     def end_run(self, run_id: str, status: str = "FINISHED") -> None:
@@ -123,7 +127,8 @@ class PipelineTracking:
         self.tracker, self.parent = tracker, parent_run_id
 
     def stage_started(self, stage: str, params: dict[str, Any], reason: str) -> str:
-        run_id = self.tracker.start_run(stage, {"selfsup.stage": stage, "selfsup.reason": reason[:250]},
+        run_id = self.tracker.start_run(stage, {"selfsup.stage": stage,
+                                                "selfsup.reason": reason[:250]},
                                         parent_id=self.parent)
         self.tracker.log_params(run_id, flatten("", params))
         return run_id

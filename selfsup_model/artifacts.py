@@ -53,7 +53,8 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
 
 
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> Path:
-    return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=_json_default) + "\n")
+    return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True,
+                                              default=_json_default) + "\n")
 
 
 def atomic_save_npy(path: str | os.PathLike, array: Any) -> Path:

@@ -108,7 +108,8 @@ class TwoRateAdam(keras.optimizers.Adam):
         super().update_step(gradient, variable, learning_rate * scale)
 
     def get_config(self):
-        return {**super().get_config(), "scaled_paths": list(self.scaled_paths), "scale": self.scale}
+        return {**super().get_config(), "scaled_paths": list(self.scaled_paths),
+                "scale": self.scale}
 
 
 def build_classifier(
@@ -187,7 +188,8 @@ def train_classifier(
         train_time_s=train_time,
         history=history,
         val_predictions=val_pred,
-        predictions={name: predict_classes(model, ids, cfg.batch_size) for name, ids in (eval_sets or {}).items()},
+        predictions={name: predict_classes(model, ids, cfg.batch_size)
+                     for name, ids in (eval_sets or {}).items()},
     )
 
 
@@ -215,7 +217,8 @@ def class_ids(labels: Sequence[str], classes: Sequence[str]) -> np.ndarray:
     index = {c: i for i, c in enumerate(classes)}
     unknown = sorted({str(label) for label in labels if label not in index})
     if unknown:
-        raise UserError(f"labels {unknown[:5]} are not in the training label set {list(classes)[:10]}")
+        raise UserError(f"labels {unknown[:5]} are not in the training label set "
+                        f"{list(classes)[:10]}")
     return np.fromiter((index[label] for label in labels), dtype=np.int64, count=len(labels))
 
 
@@ -257,11 +260,13 @@ def stratified_subset(labels: Sequence, fraction: float, seed: int) -> np.ndarra
 def _check_split(name: str, split: tuple[np.ndarray, np.ndarray], num_classes: int):
     ids, y = np.asarray(split[0]), np.asarray(split[1])
     if ids.ndim != 2 or len(ids) == 0:
-        raise UserError(f"{name} ids must be a non-empty (n_docs, max_len) array (got shape {ids.shape})")
+        raise UserError(f"{name} ids must be a non-empty (n_docs, max_len) array "
+                        f"(got shape {ids.shape})")
     if len(y) != len(ids):
         raise UserError(f"{name} has {len(ids)} sequences but {len(y)} labels")
     if not np.issubdtype(y.dtype, np.integer) or y.min() < 0 or y.max() >= num_classes:
-        raise UserError(f"{name} labels must be class ids in [0, {num_classes}); map strings with class_ids()")
+        raise UserError(f"{name} labels must be class ids in [0, {num_classes}); "
+                        "map strings with class_ids()")
     return ids.astype(np.int32), y.astype(np.int64)
 
 
@@ -269,7 +274,8 @@ def _check_length(name: str, ids: np.ndarray, backbone: keras.Model) -> None:
     fixed = backbone.input_shape[1]
     # A variable-length encoder still has a last learned position (its position
     # embedding's `max_len`); past it a lookup fails on CPU and reads zeros on GPU.
-    limits = [layer.max_len for layer in backbone.layers if isinstance(getattr(layer, "max_len", None), int)]
+    limits = [layer.max_len for layer in backbone.layers
+              if isinstance(getattr(layer, "max_len", None), int)]
     ids = np.asarray(ids)
     too_long = ids.ndim == 2 and limits and ids.shape[1] > min(limits)
     if ids.ndim != 2 or (fixed is not None and ids.shape[1] != fixed) or too_long:
@@ -307,7 +313,8 @@ def _fit_with_selection(model, train_ids, train_y, val_ids, val_y, cfg: Finetune
         # Our own seeded shuffle: identical batches on every backend and every rerun.
         order = rng.permutation(len(train_y))
         fit = model.fit(
-            train_ids[order], train_y[order], batch_size=cfg.batch_size, epochs=1, shuffle=False, verbose=0
+            train_ids[order], train_y[order], batch_size=cfg.batch_size, epochs=1, shuffle=False,
+            verbose=0
         )
         val_pred = predict_classes(model, val_ids, cfg.batch_size)
         f1 = macro_f1(val_y, val_pred)
@@ -317,7 +324,8 @@ def _fit_with_selection(model, train_ids, train_y, val_ids, val_y, cfg: Finetune
             "val_macro_f1": f1,
             "val_accuracy": accuracy(val_y, val_pred),
         })
-        log.info("epoch %d/%d: loss %.4f, val macro-F1 %.4f", epoch, cfg.epochs, history[-1]["loss"], f1)
+        log.info("epoch %d/%d: loss %.4f, val macro-F1 %.4f", epoch, cfg.epochs,
+                 history[-1]["loss"], f1)
         if f1 > best_f1:  # strict: on a tie the earlier (cheaper) epoch stays
             best_f1, best_epoch, best_weights = f1, epoch, model.get_weights()
         elif epoch - best_epoch >= cfg.patience:

@@ -31,11 +31,13 @@ class _Section(BaseModel):
 def _sums_to_one(section: str, names: tuple[str, ...], values: tuple[float, ...]) -> None:
     total = sum(values)
     if abs(total - 1.0) > 1e-6:
-        raise ValueError(f"{' + '.join(f'{section}.{n}' for n in names)} must sum to 1 (got {total:g})")
+        raise ValueError(f"{' + '.join(f'{section}.{n}' for n in names)} must sum to 1 "
+                         f"(got {total:g})")
 
 
 class IngestConfig(_Section):
-    min_chars: int = Field(40, ge=1, description="Documents shorter than this (after normalisation) are rejected.")
+    min_chars: int = Field(
+        40, ge=1, description="Documents shorter than this (after normalisation) are rejected.")
     max_chars: int = Field(200_000, ge=1, description="Longer documents are rejected as too_long.")
     text_column: str = "text"
     id_column: str = "id"
@@ -43,8 +45,9 @@ class IngestConfig(_Section):
     group_column: str = "group"
     pydocs_libraries: tuple[str, ...] = DEFAULT_PYDOCS_LIBRARIES
     pydocs_max_per_library: int | None = Field(
-        None, ge=1, description="Keep at most this many docstrings per library: a deterministic sample spread over "
-                  "the library by a hash of each id, in file order."
+        None, ge=1,
+        description="Keep at most this many docstrings per library: a deterministic sample "
+                    "spread over the library by a hash of each id, in file order."
     )
     workers: int = Field(2, ge=1, le=64)
 
@@ -88,9 +91,13 @@ class TokenizerConfig(_Section):
 
 
 class EncodeConfig(_Section):
-    max_len: int = Field(128, ge=8, le=8192, description="Tokens per sequence including [CLS]/[SEP].")
-    overlap: int = Field(32, ge=0, description="Tokens shared by consecutive windows of a long document.")
-    max_windows_per_doc: int = Field(8, ge=1, description="Pretraining windows kept per document (the rest are counted as truncated).")
+    max_len: int = Field(128, ge=8, le=8192,
+                         description="Tokens per sequence including [CLS]/[SEP].")
+    overlap: int = Field(32, ge=0,
+                         description="Tokens shared by consecutive windows of a long document.")
+    max_windows_per_doc: int = Field(
+        8, ge=1,
+        description="Pretraining windows kept per document (the rest are counted as truncated).")
     batch_size: int = Field(2048, ge=1)
 
     @model_validator(mode="after")
@@ -106,14 +113,16 @@ class MaskingConfig(_Section):
     random_rate: float = Field(0.1, ge=0.0, le=1.0)
     keep_rate: float = Field(0.1, ge=0.0, le=1.0)
     selection: Literal["fixed", "bernoulli"] = "fixed"
-    max_predictions: int = Field(20, ge=1, description="Selected positions kept per sequence (the gathered MLM head's width).")
+    max_predictions: int = Field(
+        20, ge=1,
+        description="Selected positions kept per sequence (the gathered MLM head's width).")
     empty_policy: Literal["force_one", "skip"] = "force_one"
     seed: int = 1234
 
     @model_validator(mode="after")
     def _check(self) -> MaskingConfig:
-        _sums_to_one("masks", ("mask_rate", "random_rate", "keep_rate"), (self.mask_rate, self.random_rate,
-                                                                          self.keep_rate))
+        _sums_to_one("masks", ("mask_rate", "random_rate", "keep_rate"),
+                     (self.mask_rate, self.random_rate, self.keep_rate))
         return self
 
 
@@ -136,8 +145,10 @@ class ModelConfig(_Section):
 class PretrainConfig(_Section):
     objective: Literal["mlm", "clm"] = "mlm"
     batch_size: int = Field(32, ge=1)
-    steps: int = Field(2000, ge=1, description="Optimiser steps (the budget), unless max_tokens is set.")
-    max_tokens: int | None = Field(None, ge=1, description="Budget in input tokens; overrides steps.")
+    steps: int = Field(2000, ge=1,
+                       description="Optimiser steps (the budget), unless max_tokens is set.")
+    max_tokens: int | None = Field(None, ge=1,
+                                   description="Budget in input tokens; overrides steps.")
     learning_rate: float = Field(5e-4, gt=0.0)
     warmup_steps: int = Field(100, ge=0)
     weight_decay: float = Field(0.01, ge=0.0)
@@ -154,7 +165,8 @@ class PretrainConfig(_Section):
 class FinetuneConfig(_Section):
     fractions: tuple[float, ...] = (0.05, 0.25, 1.0)
     max_len: int | None = Field(
-        None, ge=4, description="Classify on each document's first max_len tokens (None: the whole first window).")
+        None, ge=4, description="Classify on each document's first max_len tokens "
+                                "(None: the whole first window).")
     modes: tuple[Literal["probe", "full"], ...] = ("probe", "full")
     pooling: Literal["mean", "cls"] = "mean"
     epochs: int = Field(8, ge=1)
@@ -179,9 +191,11 @@ class BaselineConfig(_Section):
     majority: bool = True
     bag_of_embeddings: bool = True
     bag_dim: int = Field(64, ge=1)
-    bag_learning_rate: float = Field(1e-2, gt=0.0, description="A bag of embeddings learns slowly at the head's rate.")
+    bag_learning_rate: float = Field(
+        1e-2, gt=0.0, description="A bag of embeddings learns slowly at the head's rate.")
     sentence_embeddings: Literal["auto", "on", "off"] = Field(
-        "auto", description="auto: run when the `embeddings` extra is installed; on: fail without it.")
+        "auto",
+        description="auto: run when the `embeddings` extra is installed; on: fail without it.")
     sentence_c: tuple[float, ...] = (0.1, 1.0, 10.0, 100.0)
     embed_batch_size: int = Field(64, ge=1)
 

@@ -34,7 +34,8 @@ def _predict(model, ids: np.ndarray) -> np.ndarray:
 
 
 def evaluate_masked_lm(export_model, val_masks, batch_size: int = 32) -> dict[str, float]:
-    """Masked-LM loss (token-weighted mean NLL), accuracy and scored tokens on the corrupted inputs."""
+    """Masked-LM loss (token-weighted mean NLL), accuracy and scored tokens on the corrupted
+    inputs."""
     n = _check_masks(val_masks)
     acc = WeightedLossAccumulator()
     for s in range(0, n, batch_size):
@@ -56,7 +57,8 @@ def evaluate_causal_lm(export_model, windows, batch_size: int = 32) -> dict[str,
             "scored_tokens": acc.weight_sum}
 
 
-def validation_metrics(export_model, objective: str, val_masks, batch_size: int) -> dict[str, float]:
+def validation_metrics(export_model, objective: str, val_masks,
+                       batch_size: int) -> dict[str, float]:
     """The `val/...` metrics logged for the objective (never a perplexity for mlm)."""
     if objective == "mlm":
         r = evaluate_masked_lm(export_model, val_masks, batch_size)
@@ -65,7 +67,8 @@ def validation_metrics(export_model, objective: str, val_masks, batch_size: int)
     _check_masks(val_masks)
     # target_ids hold the original (uncorrupted) windows at every position.
     r = evaluate_causal_lm(export_model, val_masks["target_ids"], batch_size)
-    return {"val/clm_loss": r["loss"], "val/perplexity": r["perplexity"], "val/scored_tokens": r["scored_tokens"]}
+    return {"val/clm_loss": r["loss"], "val/perplexity": r["perplexity"],
+            "val/scored_tokens": r["scored_tokens"]}
 
 
 def validation_unigram_loss(log_probs: np.ndarray, objective: str, val_masks) -> float:
@@ -105,4 +108,5 @@ def unigram_baseline_loss(log_probs: np.ndarray, targets, weights) -> float:
     total = weights.sum()
     if total <= 0:
         return float("nan")
-    return float(-(weights * np.where(weights != 0, log_probs[np.asarray(targets)], 0.0)).sum() / total)
+    return float(-(weights * np.where(weights != 0, log_probs[np.asarray(targets)], 0.0)).sum()
+                 / total)

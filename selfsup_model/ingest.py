@@ -261,12 +261,13 @@ def check_corpus(corpus: str, fmt: CorpusFormat, cfg: IngestConfig) -> CorpusFor
         if not path.is_dir():
             raise CorpusError(f"corpus folder {corpus!r} does not exist or is not a folder")
         if next((p for p in path.rglob("*.txt") if not p.is_dir()), None) is None:
-            raise CorpusError(f"corpus folder {corpus!r} holds no .txt files (expected <folder>/<label>/*.txt)")
+            raise CorpusError(f"corpus folder {corpus!r} holds no .txt files "
+                              "(expected <folder>/<label>/*.txt)")
     elif kind == "table":
         columns = _table_columns(path)
         if cfg.text_column not in columns:
-            raise CorpusError(f"corpus table {corpus!r} has no {cfg.text_column!r} column (columns: "
-                              f"{', '.join(map(str, columns))}); set ingest.text_column")
+            raise CorpusError(f"corpus table {corpus!r} has no {cfg.text_column!r} column "
+                              f"(columns: {', '.join(map(str, columns))}); set ingest.text_column")
     return kind
 
 
@@ -274,20 +275,24 @@ def _table_columns(path: Path) -> list[str]:
     """Column names from a table's header (CSV), first record (JSONL) or schema (Parquet)."""
     kind = TABLE_SUFFIXES.get(path.suffix.lower())
     if kind is None:
-        raise CorpusError(f"table {str(path)!r} must end in one of {', '.join(sorted(TABLE_SUFFIXES))}")
+        raise CorpusError(f"table {str(path)!r} must end in one of "
+                          f"{', '.join(sorted(TABLE_SUFFIXES))}")
     if not path.is_file():
         raise CorpusError(f"corpus table {str(path)!r} does not exist")
     try:
         if kind == "csv":
-            return list(pd.read_csv(path, nrows=0, encoding="utf-8", encoding_errors="surrogateescape").columns)
+            return list(pd.read_csv(path, nrows=0, encoding="utf-8",
+                                    encoding_errors="surrogateescape").columns)
         if kind == "jsonl":
-            first = pd.read_json(path, lines=True, nrows=1, dtype=False, encoding_errors="surrogateescape")
+            first = pd.read_json(path, lines=True, nrows=1, dtype=False,
+                                 encoding_errors="surrogateescape")
             return list(first.columns)
         import pyarrow.parquet as pq
 
         return list(pq.read_schema(path).names)
     except (ValueError, OSError, UnicodeError) as exc:
-        raise CorpusError(f"cannot read corpus table {str(path)!r} as {kind}: {str(exc).splitlines()[0]}") from None
+        raise CorpusError(f"cannot read corpus table {str(path)!r} as {kind}: "
+                          f"{str(exc).splitlines()[0]}") from None
 
 
 def ingest_corpus(corpus: str, fmt: CorpusFormat, cfg: IngestConfig) -> IngestResult:

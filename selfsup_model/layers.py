@@ -99,14 +99,16 @@ class TransformerEncoderBlock(layers.Layer):
         if hidden % heads:
             raise ValueError(f"hidden ({hidden}) must be divisible by heads ({heads})")
         self.hidden, self.heads, self.ff = int(hidden), int(heads), int(ff)
-        self.dropout, self.norm, self.causal, self.epsilon = float(dropout), norm, bool(causal), epsilon
+        self.dropout, self.norm, self.causal, self.epsilon = (
+            float(dropout), norm, bool(causal), epsilon)
         dt, init = self.dtype_policy, truncated_normal_init
         self.qkv = layers.Dense(3 * self.hidden, kernel_initializer=init(), dtype=dt, name="qkv")
         self.attention_output = layers.Dense(self.hidden, kernel_initializer=init(), dtype=dt,
                                              name="attention_output")
         self.probs_dropout = layers.Dropout(self.dropout, dtype=dt, name="probs_dropout")
         self.attention_dropout = layers.Dropout(self.dropout, dtype=dt, name="attention_dropout")
-        self.attention_norm = layers.LayerNormalization(epsilon=epsilon, dtype=dt, name="attention_norm")
+        self.attention_norm = layers.LayerNormalization(epsilon=epsilon, dtype=dt,
+                                                        name="attention_norm")
         self.ff_in = layers.Dense(self.ff, kernel_initializer=init(), dtype=dt, name="ff_in")
         self.ff_out = layers.Dense(self.hidden, kernel_initializer=init(), dtype=dt, name="ff_out")
         self.ff_dropout = layers.Dropout(self.dropout, dtype=dt, name="ff_dropout")
@@ -114,13 +116,15 @@ class TransformerEncoderBlock(layers.Layer):
 
     def build(self, input_shape):
         # Sub-layers are built here, not lazily, so saved weights load into them.
-        for layer in (self.qkv, self.attention_output, self.attention_norm, self.ff_in, self.ff_norm):
+        for layer in (self.qkv, self.attention_output, self.attention_norm, self.ff_in,
+                      self.ff_norm):
             layer.build(input_shape)
         self.ff_out.build((*input_shape[:-1], self.ff))
         self.built = True
 
     def attention_mask(self, padding_mask):
-        """padding_mask (B, L) bool -> (B, 1, L, L) or (B, 1, 1, L): True where query i may read key j."""
+        """padding_mask (B, L) bool -> (B, 1, L, L) or (B, 1, 1, L): True where query i may read
+        key j."""
         keys = ops.expand_dims(ops.expand_dims(padding_mask, 1), 1)  # (B, 1, 1, L): real keys only
         if not self.causal:
             return keys

@@ -65,7 +65,8 @@ class TokenWeightedLoss(keras.metrics.Metric):
         self.empty_batches.assign_add(ops.cast(weight_sum <= 0, self.dtype))
 
     def result(self):
-        loss_sum, weight_sum = ops.convert_to_tensor(self.loss_sum), ops.convert_to_tensor(self.weight_sum)
+        loss_sum, weight_sum = (ops.convert_to_tensor(self.loss_sum),
+                                ops.convert_to_tensor(self.weight_sum))
         return {
             self.name: safe_divide(loss_sum, weight_sum),
             f"{self.name}_sum": loss_sum,

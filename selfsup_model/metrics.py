@@ -51,7 +51,8 @@ def confusion(y_true: Sequence, y_pred: Sequence, labels: Sequence) -> np.ndarra
         unknown = sorted_labels[pos] != y
         if unknown.any():
             raise UserError(
-                f"confusion(): {name} holds labels not in `labels`: {sorted(set(y[unknown].tolist()))[:5]}"
+                f"confusion(): {name} holds labels not in `labels`: "
+                f"{sorted(set(y[unknown].tolist()))[:5]}"
             )
         codes.append(order[pos])
     flat = np.bincount(codes[0] * k + codes[1], minlength=k * k)

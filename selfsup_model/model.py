@@ -39,13 +39,15 @@ def build_backbone(vocab_size: int, max_len: int, cfg: ModelConfig, causal: bool
     """int32 ids (B, L), L <= max_len -> states (B, L, H)."""
     ids = keras.Input(shape=(None,), dtype="int32", name="input_ids")
     padding_mask = PaddingMask(name="padding_mask")(ids)  # (B, L) bool
-    x = TokenAndPositionEmbedding(vocab_size, max_len, cfg.hidden, dtype=dtype, name=EMBEDDING_LAYER)(ids)
+    x = TokenAndPositionEmbedding(vocab_size, max_len, cfg.hidden, dtype=dtype,
+                                  name=EMBEDDING_LAYER)(ids)
     if cfg.norm == "post":
         x = layers.LayerNormalization(epsilon=1e-6, dtype=dtype, name="embeddings_norm")(x)
     x = layers.Dropout(cfg.dropout, dtype=dtype, name="embeddings_dropout")(x)
     for i in range(cfg.layers):
-        x = TransformerEncoderBlock(cfg.hidden, cfg.heads, cfg.ff, dropout=cfg.dropout, norm=cfg.norm,
-                                    causal=causal, dtype=dtype, name=f"block_{i}")(x, padding_mask=padding_mask)
+        x = TransformerEncoderBlock(cfg.hidden, cfg.heads, cfg.ff, dropout=cfg.dropout,
+                                    norm=cfg.norm, causal=causal, dtype=dtype,
+                                    name=f"block_{i}")(x, padding_mask=padding_mask)
     if cfg.norm == "pre":
         # Pre-norm residual streams are never normalised inside the blocks.
         x = layers.LayerNormalization(epsilon=1e-6, dtype=dtype, name="final_norm")(x)
@@ -58,7 +60,8 @@ def token_embedding_of(backbone: keras.Model) -> TokenAndPositionEmbedding:
 
 @serializable
 class CausalLMHead(layers.Layer):
-    """states (B, L, H) -> logits (B, L, V): dense + gelu + LayerNorm, then the vocabulary projection.
+    """states (B, L, H) -> logits (B, L, V): dense + gelu + LayerNorm, then the vocabulary
+    projection.
 
     With `tie_embeddings` the projection is the token embedding matrix (V, H)
     transposed plus a bias; the embedding layer is passed in by the owning model
@@ -67,7 +70,8 @@ class CausalLMHead(layers.Layer):
     """
 
     def __init__(self, vocab_size: int, hidden: int, tie_embeddings: bool = True,
-                 token_embedding: TokenAndPositionEmbedding | None = None, epsilon: float = 1e-6, **kwargs):
+                 token_embedding: TokenAndPositionEmbedding | None = None, epsilon: float = 1e-6,
+                 **kwargs):
         super().__init__(**kwargs)
         if tie_embeddings and token_embedding is None:
             raise ValueError("a tied head needs the backbone's token embedding layer")
@@ -75,11 +79,13 @@ class CausalLMHead(layers.Layer):
         self.tie_embeddings, self.epsilon = bool(tie_embeddings), epsilon
         self.token_embedding = token_embedding if self.tie_embeddings else None
         dt = self.dtype_policy
-        self.transform = layers.Dense(self.hidden, kernel_initializer=truncated_normal_init(), dtype=dt,
-                                      name="transform")
-        self.transform_norm = layers.LayerNormalization(epsilon=epsilon, dtype=dt, name="transform_norm")
+        self.transform = layers.Dense(self.hidden, kernel_initializer=truncated_normal_init(),
+                                      dtype=dt, name="transform")
+        self.transform_norm = layers.LayerNormalization(epsilon=epsilon, dtype=dt,
+                                                        name="transform_norm")
         self.decoder = None if self.tie_embeddings else layers.Dense(
-            self.vocab_size, use_bias=False, kernel_initializer=truncated_normal_init(), dtype=dt, name="decoder")
+            self.vocab_size, use_bias=False, kernel_initializer=truncated_normal_init(), dtype=dt,
+            name="decoder")
 
     def build(self, input_shape):
         shape = (None, None, self.hidden)
@@ -87,7 +93,8 @@ class CausalLMHead(layers.Layer):
         self.transform_norm.build(shape)
         if self.decoder is not None:
             self.decoder.build(shape)
-        self.output_bias = self.add_weight(shape=(self.vocab_size,), initializer="zeros", name="bias")
+        self.output_bias = self.add_weight(shape=(self.vocab_size,), initializer="zeros",
+                                           name="bias")
         self.built = True
 
     def project(self, states):
@@ -131,13 +138,15 @@ class MaskedLMHead(CausalLMHead):
         return (*states_shape[:-1], self.vocab_size)
 
 
-def _make_head(objective: str, backbone: keras.Model, tie_embeddings: bool, name: str | None = None):
+def _make_head(objective: str, backbone: keras.Model, tie_embeddings: bool,
+               name: str | None = None):
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
     embedding = token_embedding_of(backbone)
     cls = MaskedLMHead if objective == "mlm" else CausalLMHead
     return cls(embedding.vocab_size, embedding.hidden, tie_embeddings=tie_embeddings,
-               token_embedding=embedding, dtype=embedding.dtype_policy, name=name or f"{objective}_head")
+               token_embedding=embedding, dtype=embedding.dtype_policy,
+               name=name or f"{objective}_head")
 
 
 @serializable
@@ -150,7 +159,8 @@ class PretrainingModel(keras.Model):
     own train_step does gradients, optimiser, XLA and mixed precision.
     """
 
-    def __init__(self, backbone: keras.Model, objective: str = "mlm", tie_embeddings: bool = True, **kwargs):
+    def __init__(self, backbone: keras.Model, objective: str = "mlm", tie_embeddings: bool = True,
+                 **kwargs):
         head = _make_head(objective, backbone, tie_embeddings)
         ids = keras.Input(shape=(None,), dtype="int32", name="input_ids")
         inputs = {"input_ids": ids}
@@ -204,17 +214,21 @@ class PretrainExportModel(keras.Model):
     @classmethod
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
-        backbone = keras.saving.deserialize_keras_object(config.pop("backbone"), custom_objects=custom_objects)
+        backbone = keras.saving.deserialize_keras_object(config.pop("backbone"),
+                                                         custom_objects=custom_objects)
         head = _make_head(config["objective"], backbone, config.pop("tie_embeddings"))
         return cls(backbone, head, **config)
 
 
-def build_pretraining_model(backbone: keras.Model, objective: str, cfg: ModelConfig) -> PretrainingModel:
+def build_pretraining_model(backbone: keras.Model, objective: str,
+                            cfg: ModelConfig) -> PretrainingModel:
     """Backbone + a new objective head, ready to compile and fit."""
     return PretrainingModel(backbone, objective=objective, tie_embeddings=cfg.tie_embeddings,
                             name=f"{objective}_pretraining")
 
 
-def build_pretrain_export_model(backbone: keras.Model, head: CausalLMHead, objective: str) -> PretrainExportModel:
+def build_pretrain_export_model(backbone: keras.Model, head: CausalLMHead,
+                                objective: str) -> PretrainExportModel:
     """ids (B, L) -> logits (B, L, V) over the trained layers (see `PretrainExportModel`)."""
-    return PretrainExportModel(backbone, head, objective=objective, name=f"{objective}_pretrain_model")
+    return PretrainExportModel(backbone, head, objective=objective,
+                               name=f"{objective}_pretrain_model")

@@ -1,4 +1,5 @@
-"""Every figure the pipeline writes: pretraining loss curves, F1-vs-labels curves, confusion matrices.
+"""Every figure the pipeline writes: pretraining loss curves, F1-vs-labels curves, confusion
+matrices.
 
 Figures are drawn on an Agg canvas attached to a bare `Figure` (no pyplot, no
 global backend, no display) and written atomically.
@@ -39,10 +40,12 @@ def plot_fraction_curves(results: Sequence[Mapping[str, Any]], path: str | Path)
     ax = fig.add_subplot()
     methods = list(dict.fromkeys(str(r["method"]) for r in results))
     for method in methods:
-        rows = sorted((r for r in results if str(r["method"]) == method), key=lambda r: float(r["fraction"]))
+        rows = sorted((r for r in results if str(r["method"]) == method),
+                      key=lambda r: float(r["fraction"]))
         x = np.array([float(r["fraction"]) for r in rows])
         y = np.array([float(r["test_macro_f1"]) for r in rows])
-        ci = np.array([r.get("test_macro_f1_ci") or (v, v) for r, v in zip(rows, y)], dtype=float)  # (n, 2)
+        ci = np.array([r.get("test_macro_f1_ci") or (v, v) for r, v in zip(rows, y)],
+                      dtype=float)  # (n, 2)
         yerr = np.stack([y - ci[:, 0], ci[:, 1] - y])  # (2, n): distances below and above
         ax.errorbar(x, y, yerr=np.clip(yerr, 0, None), marker="o", capsize=3, label=method)
     fractions = [float(r["fraction"]) for r in results]

@@ -19,7 +19,8 @@ from selfsup_model.errors import UserError
 PRESETS: dict[str, dict[str, Any]] = {
     # Seconds per stage on 2 cores: for tests and CI.
     "tiny": {
-        "ingest": {"min_chars": 20, "pydocs_libraries": ["email", "xml", "unittest"], "pydocs_max_per_library": 100},
+        "ingest": {"min_chars": 20, "pydocs_libraries": ["email", "xml", "unittest"],
+                   "pydocs_max_per_library": 100},
         "dedup": {"num_perm": 64},
         "tokenizer": {"vocab_size": 300, "min_frequency": 1},
         "encode": {"max_len": 32, "overlap": 8, "max_windows_per_doc": 2},

@@ -45,7 +45,8 @@ def rng_state(model: keras.Model) -> dict[str, list[int]]:
 def restore_rng_state(model: keras.Model, state: dict[str, list[int]]) -> None:
     for v in model.non_trainable_variables:
         if v.path in state:
-            v.assign(keras.ops.reshape(keras.ops.convert_to_tensor(state[v.path], dtype=v.dtype), v.shape))
+            v.assign(keras.ops.reshape(keras.ops.convert_to_tensor(state[v.path], dtype=v.dtype),
+                                       v.shape))
 
 
 def read_checkpoint(directory: str | os.PathLike) -> dict[str, Any] | None:
@@ -69,13 +70,16 @@ def read_journal(directory: str | os.PathLike) -> set[int]:
 
 
 class MetricsReporter(keras.callbacks.Callback):
-    def __init__(self, *, objective: str, steps_per_epoch: int, total_steps: int, tokens_per_step: int,
+    def __init__(self, *, objective: str, steps_per_epoch: int, total_steps: int,
+                 tokens_per_step: int,
                  log_every: int, eval_every: int, evaluate: Callable[[], dict[str, float]],
                  learning_rate: Callable[[int], float], log_metrics: LogFn | None = None,
                  journal_dir: str | os.PathLike | None = None, state: dict[str, Any] | None = None):
         super().__init__()
-        self.objective, self.steps_per_epoch, self.total_steps = objective, steps_per_epoch, total_steps
-        self.tokens_per_step, self.log_every, self.eval_every = tokens_per_step, log_every, eval_every
+        self.objective, self.steps_per_epoch, self.total_steps = (
+            objective, steps_per_epoch, total_steps)
+        self.tokens_per_step, self.log_every, self.eval_every = (
+            tokens_per_step, log_every, eval_every)
         self.evaluate, self.learning_rate, self.log_metrics = evaluate, learning_rate, log_metrics
         self.journal = Path(journal_dir) / JOURNAL if journal_dir is not None else None
         self.reported = read_journal(journal_dir) if journal_dir is not None else set()
@@ -95,7 +99,8 @@ class MetricsReporter(keras.callbacks.Callback):
     @property
     def tokens_per_s(self) -> float:
         t = self.totals
-        return t["timed_steps"] * self.tokens_per_step / t["timed_seconds"] if t["timed_seconds"] > 0 else 0.0
+        return (t["timed_steps"] * self.tokens_per_step / t["timed_seconds"]
+                if t["timed_seconds"] > 0 else 0.0)
 
     def on_epoch_begin(self, epoch, logs=None):
         # Keras resets metric state at every epoch start: the running sums restart at 0.
@@ -121,7 +126,8 @@ class MetricsReporter(keras.callbacks.Callback):
 
     def _accumulate(self, logs: dict[str, Any]) -> None:
         name = f"{self.objective}_loss"
-        now = (float(logs[f"{name}_sum"]), float(logs["scored_tokens"]), float(logs["empty_batches"]))
+        now = (float(logs[f"{name}_sum"]), float(logs["scored_tokens"]),
+               float(logs["empty_batches"]))
         loss, weight, empty = (a - b for a, b in zip(now, self._seen, strict=True))
         self._seen = now
         self.window["loss_sum"] += loss
@@ -131,7 +137,8 @@ class MetricsReporter(keras.callbacks.Callback):
 
     def _train_metrics(self) -> dict[str, float]:
         w = self.window
-        out = {f"train/{self.objective}_loss": w["loss_sum"] / w["weight_sum"]} if w["weight_sum"] > 0 else {}
+        out = ({f"train/{self.objective}_loss": w["loss_sum"] / w["weight_sum"]}
+               if w["weight_sum"] > 0 else {})
         out["train/scored_tokens"] = w["weight_sum"]
         out["train/empty_batches"] = self.totals["empty_batches"]
         out["train/learning_rate"] = self.learning_rate(self.step)
@@ -174,7 +181,8 @@ class CheckpointSaver(keras.callbacks.Callback):
         save_keras_atomic(self.model, self.directory / name)
         atomic_write_json(self.directory / LATEST, {
             "checkpoint": name, "step": step, "epoch": epoch, "fingerprint": self.fingerprint,
-            "reporter": self.reporter.state(), "rng": rng_state(self.model), "saved_at": time.time(),
+            "reporter": self.reporter.state(), "rng": rng_state(self.model),
+            "saved_at": time.time(),
         })
         for old in self.directory.glob("ckpt-*.keras"):
             if old.name != name:

@@ -38,12 +38,13 @@ def budget_steps(cfg: PretrainConfig, max_len: int) -> int:
 def check_windows(windows, vocab_size: int) -> None:
     shape = getattr(windows, "shape", ())
     if len(shape) != 2 or shape[0] == 0 or shape[1] < 3:
-        raise UserError(f"training windows must be a non-empty (n, max_len >= 3) array, got shape {shape}; "
-                        "rerun the encode stage")
+        raise UserError("training windows must be a non-empty (n, max_len >= 3) array, "
+                        f"got shape {shape}; rerun the encode stage")
     if not np.issubdtype(windows.dtype, np.integer):
         raise UserError(f"training windows must hold integer token ids, got {windows.dtype}")
     if vocab_size <= NUM_SPECIAL:
-        raise UserError(f"vocab_size must exceed the {NUM_SPECIAL} special tokens, got {vocab_size}")
+        raise UserError(f"vocab_size must exceed the {NUM_SPECIAL} special tokens, "
+                        f"got {vocab_size}")
 
 
 class PretrainBatches(keras.utils.PyDataset):
@@ -106,6 +107,7 @@ class PretrainBatches(keras.utils.PyDataset):
         if not self.static_masks:
             rng = np.random.default_rng([self.seed, _DYNAMIC_STREAM, step])
             return mask_tokens(ids, rng, self.masking, self.vocab_size)
-        rows = [mask_tokens(ids[i:i + 1], np.random.default_rng([self.seed, _STATIC_STREAM, int(w)]),
+        rows = [mask_tokens(ids[i:i + 1],
+                            np.random.default_rng([self.seed, _STATIC_STREAM, int(w)]),
                             self.masking, self.vocab_size) for i, w in enumerate(index)]
         return {key: np.concatenate([r[key] for r in rows]) for key in rows[0]}

@@ -43,7 +43,8 @@ NO_DECAY = ("bias", "gamma", "beta", "embeddings")  # variable names: LayerNorm,
 
 @serializable
 class WarmupDecay(keras.optimizers.schedules.LearningRateSchedule):
-    """Linear warmup to `peak` over `warmup_steps`, then cosine or linear decay to 0 at `total_steps`.
+    """Linear warmup to `peak` over `warmup_steps`, then cosine or linear decay to 0 at
+    `total_steps`.
 
     Keras passes the number of updates already applied, so update k (0-based)
     uses schedule(k): the first warmup update has a nonzero rate.
@@ -52,7 +53,8 @@ class WarmupDecay(keras.optimizers.schedules.LearningRateSchedule):
     def __init__(self, peak: float, warmup_steps: int, total_steps: int, decay: str = "cosine"):
         if decay not in ("cosine", "linear"):
             raise ValueError(f"decay must be 'cosine' or 'linear', got {decay!r}")
-        self.peak, self.warmup_steps, self.total_steps, self.decay = peak, warmup_steps, total_steps, decay
+        self.peak, self.warmup_steps, self.total_steps, self.decay = (
+            peak, warmup_steps, total_steps, decay)
 
     def __call__(self, step):
         step = ops.cast(step, "float32") + 1.0
@@ -92,7 +94,8 @@ def build_schedule(cfg: PretrainConfig, total_steps: int) -> WarmupDecay:
 
 
 def build_optimizer(cfg: PretrainConfig, total_steps: int) -> SelectiveAdamW:
-    return SelectiveAdamW(learning_rate=build_schedule(cfg, total_steps), weight_decay=cfg.weight_decay, global_clipnorm=cfg.clip_norm)
+    return SelectiveAdamW(learning_rate=build_schedule(cfg, total_steps),
+                          weight_decay=cfg.weight_decay, global_clipnorm=cfg.clip_norm)
 
 
 def gpu_available() -> bool:
@@ -130,10 +133,12 @@ class PretrainResult:
     checkpoint_dir: Path
 
 
-def pretrain(train_windows, val_masks, vocab_size: int, model_cfg: ModelConfig, pretrain_cfg: PretrainConfig,
+def pretrain(train_windows, val_masks, vocab_size: int, model_cfg: ModelConfig,
+             pretrain_cfg: PretrainConfig,
              masking_cfg: MaskingConfig, out_dir, log_metrics: LogFn | None = None,
              progress: bool = True) -> PretrainResult:
-    """Pretrain an encoder on (n, max_len) windows, resuming from `out_dir/checkpoints` if present."""
+    """Pretrain an encoder on (n, max_len) windows, resuming from `out_dir/checkpoints` if
+    present."""
     check_windows(train_windows, vocab_size)
     out_dir, obj, cfg = Path(out_dir), pretrain_cfg.objective, pretrain_cfg
     _check_val_masks(val_masks, int(train_windows.shape[1]))
@@ -169,14 +174,16 @@ def pretrain(train_windows, val_masks, vocab_size: int, model_cfg: ModelConfig, 
 
     schedule = build_schedule(cfg, total)  # the optimiser's own (same config: same fingerprint)
     reporter = MetricsReporter(
-        objective=obj, steps_per_epoch=per_epoch, total_steps=total, tokens_per_step=cfg.batch_size * max_len,
+        objective=obj, steps_per_epoch=per_epoch, total_steps=total,
+        tokens_per_step=cfg.batch_size * max_len,
         log_every=cfg.log_every, eval_every=cfg.eval_every, evaluate=evaluate,
         learning_rate=lambda step: float(ops.convert_to_numpy(schedule(step - 1))),
         log_metrics=log_metrics, journal_dir=ckpt_dir, state=state)
-    saver = CheckpointSaver(ckpt_dir, steps_per_epoch=per_epoch, total_steps=total, reporter=reporter,
-                            fingerprint=fingerprint)
+    saver = CheckpointSaver(ckpt_dir, steps_per_epoch=per_epoch, total_steps=total,
+                            reporter=reporter, fingerprint=fingerprint)
     if start_step < total:
-        data = PretrainBatches(train_windows, objective=obj, batch_size=cfg.batch_size, total_steps=total,
+        data = PretrainBatches(train_windows, objective=obj, batch_size=cfg.batch_size,
+                               total_steps=total,
                                seed=cfg.seed, masking=masking_cfg, vocab_size=vocab_size,
                                static_masks=cfg.static_train_masks, start_step=start_step)
         verbose = (1 if sys.stdout.isatty() else 2) if progress else 0
@@ -190,21 +197,25 @@ def pretrain(train_windows, val_masks, vocab_size: int, model_cfg: ModelConfig, 
                       initial_epoch=initial_epoch, callbacks=[reporter, saver], verbose=verbose,
                       shuffle=False)
 
-    if not reporter.history or reporter.history[-1]["step"] != total or not _has_val(reporter.history[-1]):
+    if (not reporter.history or reporter.history[-1]["step"] != total
+            or not _has_val(reporter.history[-1])):
         reporter.emit(total, evaluate())  # e.g. resumed from the final checkpoint
-    return _write_outputs(out_dir, model, export_model, reporter, total, start_step, cfg, max_len, baseline)
+    return _write_outputs(out_dir, model, export_model, reporter, total, start_step, cfg, max_len,
+                          baseline)
 
 
 def _check_val_masks(val_masks, max_len: int) -> None:
     ids = val_masks.get("input_ids") if hasattr(val_masks, "get") else None
     if ids is None or np.ndim(ids) != 2 or len(ids) == 0:
-        raise UserError("validation masks need a non-empty (n, L) 'input_ids' array; rerun the masks stage")
+        raise UserError("validation masks need a non-empty (n, L) 'input_ids' array; "
+                        "rerun the masks stage")
     if ids.shape[1] > max_len:
-        raise UserError(f"validation windows are {ids.shape[1]} tokens but training windows {max_len}; "
-                        "encode both splits with the same encode.max_len")
+        raise UserError(f"validation windows are {ids.shape[1]} tokens but training windows "
+                        f"{max_len}; encode both splits with the same encode.max_len")
 
 
-def _fresh_model(vocab_size: int, max_len: int, model_cfg: ModelConfig, cfg: PretrainConfig, total: int):
+def _fresh_model(vocab_size: int, max_len: int, model_cfg: ModelConfig, cfg: PretrainConfig,
+                 total: int):
     keras.utils.set_random_seed(cfg.seed)
     backbone = build_backbone(vocab_size, max_len, model_cfg, causal=cfg.objective == "clm",
                               dtype=resolve_precision(cfg.mixed_precision))
@@ -218,7 +229,8 @@ def _has_val(entry: dict[str, Any]) -> bool:
 
 
 def _write_outputs(out_dir: Path, model, export_model, reporter: MetricsReporter, total: int,
-                   start_step: int, cfg: PretrainConfig, max_len: int, baseline: float) -> PretrainResult:
+                   start_step: int, cfg: PretrainConfig, max_len: int,
+                   baseline: float) -> PretrainResult:
     encoder_path = save_keras_atomic(model.backbone, out_dir / "encoder.keras")
     export_path = save_keras_atomic(export_model, out_dir / "pretrain_model.keras")
     history_path = atomic_write_json(out_dir / "history.json", reporter.history)
@@ -230,5 +242,6 @@ def _write_outputs(out_dir: Path, model, export_model, reporter: MetricsReporter
         empty_batches=int(reporter.totals["empty_batches"]), resumed_from_step=start_step,
         val_metrics={k: v for k, v in final.items() if k.startswith("val/")},
         unigram_baseline_loss=baseline, encoder_path=encoder_path, pretrain_model_path=export_path,
-        history_path=history_path, loss_curve_path=curve_path, checkpoint_dir=out_dir / "checkpoints",
+        history_path=history_path, loss_curve_path=curve_path,
+        checkpoint_dir=out_dir / "checkpoints",
     )

@@ -98,7 +98,8 @@ def _harvest_file(args: tuple[str, str, str]) -> list[tuple[str, str, str, str]]
     return docstrings_of_file(*args)
 
 
-def _keep_sample(rows: list[tuple[str, str, str, str]], limit: int | None) -> list[tuple[str, str, str, str]]:
+def _keep_sample(rows: list[tuple[str, str, str, str]],
+                 limit: int | None) -> list[tuple[str, str, str, str]]:
     """At most `limit` rows, spread over the whole library (hash of id), original order kept."""
     if limit is None or len(rows) <= limit:
         return rows
@@ -119,7 +120,8 @@ def harvest(
         per_file = [_harvest_file(j) for j in jobs]
     rows: list[tuple[str, str, str, str]] = []
     for lib in libraries:
-        lib_rows = [r for (jl, _, _), file_rows in zip(jobs, per_file) if jl == lib for r in file_rows]
+        lib_rows = [r for (jl, _, _), file_rows in zip(jobs, per_file) if jl == lib
+                    for r in file_rows]
         rows.extend(_keep_sample(lib_rows, max_per_library))
     return pd.DataFrame(rows, columns=["id", "text", "label", "group"])
 
@@ -135,5 +137,6 @@ def library_versions(libraries: Sequence[str]) -> dict[str, str]:
         try:
             out[lib] = metadata.version(dist_names.get(lib, lib))
         except metadata.PackageNotFoundError:
-            out[lib] = f"python-{sys.version_info.major}.{sys.version_info.minor}" if lib in sys.stdlib_module_names else "unknown"
+            out[lib] = (f"python-{sys.version_info.major}.{sys.version_info.minor}"
+                        if lib in sys.stdlib_module_names else "unknown")
     return out

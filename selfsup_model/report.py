@@ -31,7 +31,8 @@ CURVE_PLOT = "macro_f1_vs_fraction.png"
 CONFUSION_PLOT = "confusion_best.png"
 
 
-def recompute_results(predictions: pd.DataFrame, n_bootstrap: int = 1000, seed: int = 0) -> list[dict]:
+def recompute_results(predictions: pd.DataFrame, n_bootstrap: int = 1000,
+                      seed: int = 0) -> list[dict]:
     """Test metrics per (method, fraction) from a predictions table.
 
     Rows are sorted by id within each group, so with one seed every method is
@@ -39,7 +40,8 @@ def recompute_results(predictions: pd.DataFrame, n_bootstrap: int = 1000, seed: 
     """
     missing = [c for c in PREDICTION_COLUMNS if c not in predictions.columns]
     if missing:
-        raise UserError(f"predictions table lacks columns {missing}; expected {list(PREDICTION_COLUMNS)}")
+        raise UserError(f"predictions table lacks columns {missing}; "
+                        f"expected {list(PREDICTION_COLUMNS)}")
     out = []
     for (method, fraction), group in predictions.groupby(["method", "fraction"], sort=True):
         group = group.sort_values("id", kind="stable")
@@ -70,14 +72,16 @@ def winner_statements(results: Sequence[Mapping[str, Any]]) -> list[str]:
 
 def render_markdown(results: Sequence[Mapping[str, Any]], context: Mapping[str, Any]) -> str:
     _check_results(results)
-    head = "| method | label fraction | test accuracy [95% CI] | test macro-F1 [95% CI] | val macro-F1 | train time (s) | n_test |"
+    head = ("| method | label fraction | test accuracy [95% CI] | test macro-F1 [95% CI] "
+            "| val macro-F1 | train time (s) | n_test |")
     lines = ["# selfsup comparison", "", head, "|---|---:|---:|---:|---:|---:|---:|"]
     for r in sorted(results, key=lambda r: (float(r["fraction"]), str(r["method"]))):
         lines.append(
             f"| {r['method']} | {float(r['fraction']):g} "
             f"| {_with_ci(r['test_accuracy'], r.get('test_accuracy_ci'))} "
             f"| {_with_ci(r['test_macro_f1'], r.get('test_macro_f1_ci'))} "
-            f"| {_num(r.get('val_macro_f1'))} | {_num(r.get('train_time_s'), 1)} | {r.get('n_test', '—')} |"
+            f"| {_num(r.get('val_macro_f1'))} | {_num(r.get('train_time_s'), 1)} "
+            f"| {r.get('n_test', '—')} |"
         )
     lines += ["", "## What the numbers say", ""]
     lines += [f"- {s}" for s in winner_statements(results)]
@@ -106,13 +110,15 @@ def write_report(
     _check_results(results)
     out_dir = Path(out_dir)
     atomic_write_text(out_dir / "report.md", render_markdown(results, context))
-    payload = {"results": [_json_safe(dict(r)) for r in results], "context": _json_safe(dict(context))}
+    payload = {"results": [_json_safe(dict(r)) for r in results],
+               "context": _json_safe(dict(context))}
     atomic_write_json(out_dir / "report.json", payload)
     written = ["report.md", "report.json", CURVE_PLOT]
     plot_fraction_curves(results, out_dir / CURVE_PLOT)
     best = best_result(results)
     if predictions is not None:
-        rows = predictions[(predictions["method"] == best["method"]) & (predictions["fraction"] == best["fraction"])]
+        rows = predictions[(predictions["method"] == best["method"])
+                           & (predictions["fraction"] == best["fraction"])]
         if len(rows):
             labels = sorted(set(rows["label"]) | set(rows["prediction"]))
             title = f"{best['method']} @ fraction {float(best['fraction']):g} (test)"
@@ -136,10 +142,12 @@ def _statement(fraction: float, rows: list[Mapping[str, Any]]) -> str:
         return f"{where}: only {rows[0]['method']} was run; nothing to compare."
     first, second = rows[0], rows[1]
     if float(first["test_macro_f1"]) == float(second["test_macro_f1"]):
-        return f"{where}: {first['method']} and {second['method']} tie on test macro-F1 ({_num(first['test_macro_f1'])})."
+        return (f"{where}: {first['method']} and {second['method']} tie on test macro-F1 "
+                f"({_num(first['test_macro_f1'])}).")
     head = (
         f"{where}: {first['method']} has the highest test macro-F1, "
-        f"{_with_ci(first['test_macro_f1'], first.get('test_macro_f1_ci'))}; runner-up {second['method']} "
+        f"{_with_ci(first['test_macro_f1'], first.get('test_macro_f1_ci'))}; "
+        f"runner-up {second['method']} "
         f"{_with_ci(second['test_macro_f1'], second.get('test_macro_f1_ci'))}."
     )
     a, b = first.get("test_macro_f1_ci"), second.get("test_macro_f1_ci")

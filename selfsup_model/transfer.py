@@ -46,7 +46,8 @@ class LabelledData:
     def y(self, split: str) -> np.ndarray:
         """Class index per document (-1 for a label the training split never saw)."""
         index = {c: i for i, c in enumerate(self.classes)}
-        return np.array([index.get(label, -1) for label in self.splits[split].labels], dtype=np.int64)
+        return np.array([index.get(label, -1) for label in self.splits[split].labels],
+                        dtype=np.int64)
 
 
 def load_labelled(encode_dir: Path, max_len: int | None = None) -> LabelledData | None:
@@ -58,20 +59,23 @@ def load_labelled(encode_dir: Path, max_len: int | None = None) -> LabelledData 
         offsets = np.load(encode_dir / f"{split}_doc_offsets.npy", allow_pickle=False)
         windows = np.load(encode_dir / f"{split}_windows.npy", mmap_mode="r", allow_pickle=False)
         has_label = docs["label"].notna().to_numpy()
-        splits[split] = LabelledSplit(docs["id"].to_numpy(str)[has_label], docs["label"].to_numpy(str)[has_label],
+        splits[split] = LabelledSplit(docs["id"].to_numpy(str)[has_label],
+                                      docs["label"].to_numpy(str)[has_label],
                                       first_windows(windows, offsets, has_label, max_len))
         counts[f"{split}_labelled"] = int(has_label.sum())
         counts[f"{split}_unlabelled"] = int((~has_label).sum())
     classes = sorted(set(splits["train"].labels.tolist()))
     if len(classes) < 2:
-        log.warning("classification skipped: the training split has %d label(s); need at least 2", len(classes))
+        log.warning("classification skipped: the training split has %d label(s); need at least 2",
+                    len(classes))
         return None
     data = LabelledData(classes, splits, counts)
     for split in ("val", "test"):
         unseen = int((data.y(split) < 0).sum())
         counts[f"{split}_unseen_label_docs"] = unseen
         if unseen:
-            log.warning("%d %s documents carry labels absent from training; they count as errors", unseen, split)
+            log.warning("%d %s documents carry labels absent from training; they count as errors",
+                        unseen, split)
     counts["classes"] = len(classes)
     return data
 
@@ -85,7 +89,8 @@ class MethodResults:
 
     def add(self, method: str, fraction: float, data: LabelledData, test_predictions: np.ndarray,
             summary: dict[str, Any]) -> None:
-        self.rows += prediction_rows(method, fraction, data.splits["test"], test_predictions, data.classes)
+        self.rows += prediction_rows(method, fraction, data.splits["test"], test_predictions,
+                                     data.classes)
         self.summaries.append({"method": method, "fraction": float(fraction), **summary})
 
     def extend(self, other: MethodResults) -> None:
@@ -97,8 +102,10 @@ def prediction_rows(method: str, fraction: float, split: LabelledSplit, predicte
                     classes: Sequence[str]) -> list[tuple]:
     """(id, method, fraction, label, prediction) rows; `predicted` holds class indices or labels."""
     predicted = np.asarray(predicted)
-    names = np.asarray(classes)[predicted] if np.issubdtype(predicted.dtype, np.integer) else predicted
-    return [(i, method, float(fraction), lab, str(p)) for i, lab, p in zip(split.ids, split.labels, names)]
+    names = (np.asarray(classes)[predicted] if np.issubdtype(predicted.dtype, np.integer)
+             else predicted)
+    return [(i, method, float(fraction), lab, str(p))
+            for i, lab, p in zip(split.ids, split.labels, names)]
 
 
 def result_key(method: str, fraction: float, metric: str) -> str:
@@ -141,11 +148,14 @@ def train_neural_methods(data: LabelledData, methods: Sequence[NeuralMethod], cf
     val = (data.splits["val"].windows[val_known], y_val[val_known])
     out, last = MethodResults(), None
     for method, fraction, subset in runs:
-        log.info("%s at label fraction %g: %d training documents", method.name, fraction, len(subset))
-        last = train_classifier(method.factory, (train.windows[subset], y_train[subset]), val, len(data.classes),
-                                method.mode, method.cfg, cfg.seed, eval_sets={"test": data.splits["test"].windows})
+        log.info("%s at label fraction %g: %d training documents", method.name, fraction,
+                 len(subset))
+        last = train_classifier(method.factory, (train.windows[subset], y_train[subset]), val,
+                                len(data.classes), method.mode, method.cfg, cfg.seed,
+                                eval_sets={"test": data.splits["test"].windows})
         out.add(method.name, fraction, data, last.predictions["test"], {
-            "n_train": len(subset), "val_macro_f1": last.val_macro_f1, "best_epoch": last.best_epoch,
+            "n_train": len(subset), "val_macro_f1": last.val_macro_f1,
+            "best_epoch": last.best_epoch,
             "epochs_run": last.epochs_run, "train_time_s": round(last.train_time_s, 3)})
     return out, last
 
@@ -160,8 +170,9 @@ def scratch_baselines(vocab_size: int, max_len: int, random_init: BackboneFactor
         methods.append(NeuralMethod("random_init", "scratch", random_init, finetune))
     if baseline.bag_of_embeddings:
         bag_cfg = finetune.model_copy(update={"head_learning_rate": baseline.bag_learning_rate})
-        methods.append(NeuralMethod("bag_of_embeddings", "scratch",
-                                    bag_of_embeddings_factory(vocab_size, max_len, baseline.bag_dim), bag_cfg))
+        methods.append(NeuralMethod(
+            "bag_of_embeddings", "scratch",
+            bag_of_embeddings_factory(vocab_size, max_len, baseline.bag_dim), bag_cfg))
     return methods
 
 
@@ -170,7 +181,8 @@ def scratch_baselines(vocab_size: int, max_len: int, random_init: BackboneFactor
 
 def text_baselines(data: LabelledData, texts: pd.Series, baseline: BaselineConfig,
                    finetune: FinetuneConfig) -> MethodResults:
-    """Majority class and TF-IDF + logistic regression at every label fraction (`texts` indexed by id)."""
+    """Majority class and TF-IDF + logistic regression at every label fraction (`texts` indexed
+    by id)."""
     out = MethodResults()
     train, val, test = (data.splits[s] for s in SPLITS)
     for fraction, subset in label_subsets(data, finetune):
@@ -182,16 +194,17 @@ def text_baselines(data: LabelledData, texts: pd.Series, baseline: BaselineConfi
                 "n_train": len(subset), "val_macro_f1": macro_f1(val.labels, np.asarray(val_pred)),
                 "train_time_s": round(time.perf_counter() - t0, 3)})
         res = tfidf_logreg(texts.loc[train.ids[subset]].tolist(), train.labels[subset],
-                           texts.loc[val.ids].tolist(), val.labels, {"test": texts.loc[test.ids].tolist()},
-                           baseline)
+                           texts.loc[val.ids].tolist(), val.labels,
+                           {"test": texts.loc[test.ids].tolist()}, baseline)
         out.add("tfidf_logreg", fraction, data, np.asarray(res.predictions["test"], dtype=str), {
-            "n_train": len(subset), "val_macro_f1": res.val_macro_f1, "train_time_s": round(res.fit_time_s, 3),
-            "params": res.params})
+            "n_train": len(subset), "val_macro_f1": res.val_macro_f1,
+            "train_time_s": round(res.fit_time_s, 3), "params": res.params})
     return out
 
 
 def features_probe(method: str, data: LabelledData, features: Mapping[str, np.ndarray],
-                   c_grid: Sequence[float], finetune: FinetuneConfig, feature_time_s: float = 0.0) -> MethodResults:
+                   c_grid: Sequence[float], finetune: FinetuneConfig,
+                   feature_time_s: float = 0.0) -> MethodResults:
     """Logistic regression on fixed per-document features (split -> (n, d)), C tuned on validation.
 
     The features are computed once for all fractions; `feature_time_s`, their
@@ -200,23 +213,28 @@ def features_probe(method: str, data: LabelledData, features: Mapping[str, np.nd
     out = MethodResults()
     train, val = data.splits["train"], data.splits["val"]
     for fraction, subset in label_subsets(data, finetune):
-        res = logreg_on_features(features["train"][subset], train.labels[subset], features["val"], val.labels,
-                                 {"test": features["test"]}, c_grid)
+        res = logreg_on_features(features["train"][subset], train.labels[subset], features["val"],
+                                 val.labels, {"test": features["test"]}, c_grid)
         out.add(method, fraction, data, np.asarray(res.predictions["test"], dtype=str), {
             "n_train": len(subset), "val_macro_f1": res.val_macro_f1, "params": res.params,
-            "train_time_s": round(res.fit_time_s + feature_time_s, 3), "embed_time_s": round(feature_time_s, 3)})
+            "train_time_s": round(res.fit_time_s + feature_time_s, 3),
+            "embed_time_s": round(feature_time_s, 3)})
     return out
 
 
 def write_method_results(out_dir: Path, results: MethodResults, classes: Sequence[str] = (),
-                         skipped: str | None = None, unavailable: Mapping[str, str] | None = None) -> list[str]:
-    """`predictions.parquet` (test rows) and `results.json` (summaries) of a classification stage."""
+                         skipped: str | None = None,
+                         unavailable: Mapping[str, str] | None = None) -> list[str]:
+    """`predictions.parquet` (test rows) and `results.json` (summaries) of a classification
+    stage."""
     if skipped is not None:
         log.warning("%s skipped: %s", out_dir.name, skipped)
-    body: dict[str, Any] = {"skipped": skipped} if skipped is not None else {"classes": list(classes)}
+    body: dict[str, Any] = ({"skipped": skipped} if skipped is not None
+                            else {"classes": list(classes)})
     body["results"] = results.summaries
     if unavailable is not None:
         body["unavailable"] = dict(unavailable)
-    atomic_write_parquet(out_dir / "predictions.parquet", pd.DataFrame(results.rows, columns=list(PREDICTION_COLUMNS)))
+    atomic_write_parquet(out_dir / "predictions.parquet",
+                         pd.DataFrame(results.rows, columns=list(PREDICTION_COLUMNS)))
     atomic_write_json(out_dir / "results.json", body)
     return ["predictions.parquet", "results.json"]

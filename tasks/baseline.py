@@ -32,8 +32,10 @@ log = logging.getLogger("selfsup.baseline")
 SENTENCE_METHOD = "sentence_minilm_probe"
 
 
-def sentence_baseline(data: LabelledData, texts: pd.Series, ctx: RunContext) -> tuple[MethodResults, dict]:
-    """Pretrained MiniLM sentence embeddings + logistic regression; reported as unavailable without the extra."""
+def sentence_baseline(data: LabelledData, texts: pd.Series,
+                      ctx: RunContext) -> tuple[MethodResults, dict]:
+    """Pretrained MiniLM sentence embeddings + logistic regression; reported as unavailable
+    without the extra."""
     cfg = ctx.config.baseline
     if cfg.sentence_embeddings == "off":
         return MethodResults(), {SENTENCE_METHOD: "disabled (baseline.sentence_embeddings=off)"}
@@ -43,13 +45,15 @@ def sentence_baseline(data: LabelledData, texts: pd.Series, ctx: RunContext) -> 
             raise UserError(f"baseline.sentence_embeddings=on but {reason}")
         log.warning("%s not run: %s", SENTENCE_METHOD, reason)
         return MethodResults(), {SENTENCE_METHOD: reason}
-    cache = ctx.workdir / ".cache" / "sentence_embeddings"  # keyed by text hash; survives stage reruns
+    # keyed by text hash; survives stage reruns
+    cache = ctx.workdir / ".cache" / "sentence_embeddings"
     features, embed_time = {}, 0.0
     for split in SPLITS:
         out = embed_texts(texts.loc[data.splits[split].ids].tolist(), cache, cfg.embed_batch_size,
                           progress=progress_logger(log, f"embedding {split}"))
         features[split], embed_time = out.vectors, embed_time + out.embed_time_s
-    return features_probe(SENTENCE_METHOD, data, features, cfg.sentence_c, ctx.config.finetune, embed_time), {}
+    return features_probe(SENTENCE_METHOD, data, features, cfg.sentence_c, ctx.config.finetune,
+                          embed_time), {}
 
 
 def compute(ctx: RunContext, out: Path, inputs: dict[str, Path]) -> StageOutput:
@@ -57,8 +61,10 @@ def compute(ctx: RunContext, out: Path, inputs: dict[str, Path]) -> StageOutput:
     data = load_labelled(ctx.stage_dir("encode"), cfg.finetune.max_len)
     if data is None:
         reason = "the corpus has fewer than two labels in the training split"
-        return StageOutput(write_method_results(out, MethodResults(), skipped=reason), {"skipped": 1, "runs": 0})
-    texts = pd.read_parquet(inputs["ingest/documents.parquet"], columns=["id", "text"]).set_index("id")["text"]
+        return StageOutput(write_method_results(out, MethodResults(), skipped=reason),
+                           {"skipped": 1, "runs": 0})
+    texts = (pd.read_parquet(inputs["ingest/documents.parquet"], columns=["id", "text"])
+             .set_index("id")["text"])
     results = text_baselines(data, texts, cfg.baseline, cfg.finetune)
     vocab = load_tokenizer(inputs["tokenizer/tokenizer.json"]).get_vocab_size()
     max_len = data.splits["train"].windows.shape[1]
@@ -68,7 +74,8 @@ def compute(ctx: RunContext, out: Path, inputs: dict[str, Path]) -> StageOutput:
     sentence, unavailable = sentence_baseline(data, texts, ctx)
     results.extend(sentence)
     files = write_method_results(out, results, classes=data.classes, unavailable=unavailable)
-    return StageOutput(files, {**data.counts, "runs": len(results.summaries), "unavailable_methods": len(unavailable)},
+    return StageOutput(files, {**data.counts, "runs": len(results.summaries),
+                               "unavailable_methods": len(unavailable)},
                        {result_key(s["method"], s["fraction"], "val_macro_f1"): s["val_macro_f1"]
                         for s in results.summaries})
 

@@ -1,4 +1,5 @@
-"""compare: every method x label fraction on the same test split -> report.md/json, predictions, plots."""
+"""compare: every method x label fraction on the same test split -> report.md/json, \
+predictions, plots."""
 
 from __future__ import annotations
 
@@ -36,31 +37,39 @@ def _training_summaries(inputs: dict[str, Path]) -> dict[tuple[str, float], dict
 def report_context(ctx: RunContext, inputs: dict[str, Path], n_test: int) -> dict:
     """The numbers a reader needs beside the table: corpus, pretraining, audit, methods not run."""
     unavailable = json.loads(inputs["baseline/results.json"].read_text()).get("unavailable", {})
-    pre, enc = (StageManifest.read(inputs[f"{stage}/{MANIFEST_NAME}"]) for stage in ("pretrain", "encode"))
+    pre, enc = (StageManifest.read(inputs[f"{stage}/{MANIFEST_NAME}"])
+                for stage in ("pretrain", "encode"))
     audit = json.loads(inputs["split/audit.json"].read_text())["audit"]
     return {
         "test documents": n_test,
-        "pretraining corpus (train split)": f"{enc.counts['splits']['train']['kept_docs']} documents, "
-                                            f"{enc.counts['splits']['train']['sequences']} windows",
+        "pretraining corpus (train split)": (
+            f"{enc.counts['splits']['train']['kept_docs']} documents, "
+            f"{enc.counts['splits']['train']['sequences']} windows"),
         "pretraining": f"{pre.counts['steps']} steps, {pre.counts['tokens_seen']} input tokens, "
-                       f"{pre.counts['scored_tokens']} scored tokens ({ctx.config.pretrain.objective})",
-        "final validation loss": {k: round(v, 4) for k, v in pre.metrics.items() if k.startswith("val/")},
-        "leakage audit": "passed (no near-duplicates or groups across splits)" if audit.get("passed")
-                         else f"FAILED: {audit.get('message')}",
+                       f"{pre.counts['scored_tokens']} scored tokens "
+                       f"({ctx.config.pretrain.objective})",
+        "final validation loss": {k: round(v, 4) for k, v in pre.metrics.items()
+                                  if k.startswith("val/")},
+        "leakage audit": "passed (no near-duplicates or groups across splits)"
+                         if audit.get("passed") else f"FAILED: {audit.get('message')}",
         "what each method reads": (
-            f"neural methods: each document's first {ctx.config.finetune.max_len or ctx.config.encode.max_len} "
-            "tokens; TF-IDF and sentence embeddings: the document text (the sentence model truncates at its own "
-            "limit)"),
+            "neural methods: each document's first "
+            f"{ctx.config.finetune.max_len or ctx.config.encode.max_len} "
+            "tokens; TF-IDF and sentence embeddings: the document text (the sentence model "
+            "truncates at its own limit)"),
         **{f"not run: {method}": reason for method, reason in sorted(unavailable.items())},
     }
 
 
 def compute(ctx: RunContext, out: Path, inputs: dict[str, Path]) -> StageOutput:
     predictions = pd.concat([pd.read_parquet(inputs["finetune/predictions.parquet"]),
-                             pd.read_parquet(inputs["baseline/predictions.parquet"])], ignore_index=True)
+                             pd.read_parquet(inputs["baseline/predictions.parquet"])],
+                            ignore_index=True)
     if predictions.empty:
-        log.warning("compare skipped: no method produced predictions (the corpus has no usable labels)")
-        atomic_write_text(out / "report.md", "# selfsup comparison\n\nSkipped: the corpus has no usable labels.\n")
+        log.warning("compare skipped: no method produced predictions "
+                    "(the corpus has no usable labels)")
+        atomic_write_text(out / "report.md",
+                          "# selfsup comparison\n\nSkipped: the corpus has no usable labels.\n")
         return StageOutput(["report.md"], {"skipped": 1, "results": 0})
     results = recompute_results(predictions, ctx.config.compare.bootstrap, ctx.config.compare.seed)
     trained = _training_summaries(inputs)
@@ -75,16 +84,21 @@ def compute(ctx: RunContext, out: Path, inputs: dict[str, Path]) -> StageOutput:
     files.append("pretrain_loss_curve.png")
     _publish(ctx, out, [f for f in files if f.endswith((".md", ".json", ".png"))])
     best = max(results, key=lambda r: (r["test_macro_f1"], r["method"]))
-    counts = {"results": len(results), "methods": predictions["method"].nunique(), "n_test": int(n_test)}
-    metrics = {result_key(r["method"], r["fraction"], "test_macro_f1"): r["test_macro_f1"] for r in results}
+    counts = {"results": len(results), "methods": predictions["method"].nunique(),
+              "n_test": int(n_test)}
+    metrics = {result_key(r["method"], r["fraction"], "test_macro_f1"): r["test_macro_f1"]
+               for r in results}
     metrics["best_test_macro_f1"] = best["test_macro_f1"]
-    return StageOutput(files, counts, metrics, log_artifacts=[f for f in files if not f.endswith(".parquet")])
+    return StageOutput(files, counts, metrics,
+                       log_artifacts=[f for f in files if not f.endswith(".parquet")])
 
 
 def _publish(ctx: RunContext, out: Path, files: list[str]) -> None:
     """The report on the tracked pipeline run and as a Prefect markdown artifact."""
     ctx.publish([out / name for name in files], "report")
-    if TaskRunContext.get() is not None:  # called outside Prefect (plain function): nowhere to attach
-        create_markdown_artifact(key="selfsup-comparison", markdown=(out / "report.md").read_text(),
-                                 description="selfsup: test metrics of every method x label fraction")
+    # called outside Prefect (plain function): nowhere to attach
+    if TaskRunContext.get() is not None:
+        create_markdown_artifact(
+            key="selfsup-comparison", markdown=(out / "report.md").read_text(),
+            description="selfsup: test metrics of every method x label fraction")
 

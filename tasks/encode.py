@@ -24,12 +24,14 @@ def compute(ctx: RunContext, out: Path, inputs: dict[str, Path]) -> StageOutput:
         encoded = encode_split(tok, part["text"].tolist(), ctx.config.encode)
         files += write_encoded(encoded, out, split)
         # Row i of {split}_docs.parquet is the document whose windows start at doc_offsets[i].
-        kept = pd.DataFrame({"id": ids[encoded.kept], "label": part["label"].to_numpy()[encoded.kept]})
+        kept = pd.DataFrame({"id": ids[encoded.kept],
+                             "label": part["label"].to_numpy()[encoded.kept]})
         files.append(atomic_write_parquet(out / f"{split}_docs.parquet", kept).name)
         rejects += [(doc_id, split, "no_tokens") for doc_id in ids[encoded.empty]]
         counts[split] = encoded.counts
     rejected = pd.DataFrame(rejects, columns=["id", "split", "reason"])
     files.append(atomic_write_parquet(out / "rejects.parquet", rejected).name)
-    totals = {k: sum(c[k] for c in counts.values()) for k in ("sequences", "tokens", "truncated_docs", "empty_docs")}
+    totals = {k: sum(c[k] for c in counts.values())
+              for k in ("sequences", "tokens", "truncated_docs", "empty_docs")}
     return StageOutput(files, {**totals, "splits": counts})
 

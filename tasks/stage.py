@@ -68,7 +68,8 @@ class StageSpec:
     inputs: tuple[str, ...]  # "stage/file" artifact keys
     sections: tuple[str, ...]  # PipelineConfig sections fingerprinted into params
     version: int = 1  # bump when the stage's output format or semantics change
-    extra_params: Callable[[RunContext], dict[str, Any]] | None = None  # e.g. the corpus fingerprint
+    # e.g. the corpus fingerprint
+    extra_params: Callable[[RunContext], dict[str, Any]] | None = None
     manifests: tuple[str, ...] = ()  # stages whose manifest (counts, metrics) this stage reads
 
     @property
@@ -162,10 +163,12 @@ def resolve_inputs(spec: StageSpec, ctx: RunContext) -> dict[str, str]:
         stage, name = key.split("/", 1)
         manifest = read_manifest(ctx.stage_dir(stage))
         if manifest is None:
-            raise ArtifactError(f"stage {spec.name!r} needs {key}, but stage {stage!r} has not completed; run it first")
+            raise ArtifactError(f"stage {spec.name!r} needs {key}, but stage {stage!r} has not "
+                                "completed; run it first")
         record = manifest.outputs.get(name)
         if record is None:
-            raise ArtifactError(f"stage {stage!r} did not write {name!r}, which stage {spec.name!r} needs; rerun {stage!r}")
+            raise ArtifactError(f"stage {stage!r} did not write {name!r}, which stage "
+                                f"{spec.name!r} needs; rerun {stage!r}")
         path = ctx.artifact(key)
         if not path.is_file() or cached_sha256(path) != record.sha256:
             raise ArtifactError(
@@ -176,8 +179,8 @@ def resolve_inputs(spec: StageSpec, ctx: RunContext) -> dict[str, str]:
     for stage in spec.manifests:
         path = ctx.stage_dir(stage) / MANIFEST_NAME
         if read_manifest(ctx.stage_dir(stage)) is None:
-            raise ArtifactError(f"stage {spec.name!r} reads the manifest of {stage!r}, which has not completed; "
-                                "run it first")
+            raise ArtifactError(f"stage {spec.name!r} reads the manifest of {stage!r}, which has "
+                                "not completed; run it first")
         hashes[f"{stage}/{MANIFEST_NAME}"] = cached_sha256(path)
     return hashes
 
@@ -186,7 +189,8 @@ def code_version(spec: StageSpec) -> str:
     return f"{__version__}+{spec.name}.v{spec.version}"
 
 
-def check_stage(spec: StageSpec, ctx: RunContext, params: dict[str, Any] | None = None) -> tuple[Status, str]:
+def check_stage(spec: StageSpec, ctx: RunContext,
+                params: dict[str, Any] | None = None) -> tuple[Status, str]:
     """(status, why) without running anything."""
     params = stage_params(spec, ctx) if params is None else params
     try:
@@ -199,10 +203,12 @@ def check_stage(spec: StageSpec, ctx: RunContext, params: dict[str, Any] | None 
     if manifest.code_version != code_version(spec):
         return "stale", f"code version {manifest.code_version} -> {code_version(spec)}"
     if manifest.params != params:
-        changed = sorted(k for k in set(params) | set(manifest.params) if params.get(k) != manifest.params.get(k))
+        changed = sorted(k for k in set(params) | set(manifest.params)
+                         if params.get(k) != manifest.params.get(k))
         return "stale", f"parameters changed: {', '.join(changed)}"
     if manifest.inputs != inputs:
-        changed = sorted(k for k in set(inputs) | set(manifest.inputs) if inputs.get(k) != manifest.inputs.get(k))
+        changed = sorted(k for k in set(inputs) | set(manifest.inputs)
+                         if inputs.get(k) != manifest.inputs.get(k))
         return "stale", f"inputs changed: {', '.join(changed)}"
     modified = verify_outputs(ctx.stage_dir(spec.name), manifest, hasher=cached_sha256)
     if modified:
@@ -222,18 +228,22 @@ def run_stage(spec: StageSpec, ctx: RunContext, compute: Compute) -> StageResult
         log.info("%s: up to date, skipped", spec.name)
         if ctx.tracking is not None:
             ctx.tracking.stage_skipped(manifest)
-        return StageResult(spec.name, "skipped", str(stage_dir), manifest.counts, manifest.metrics, 0.0, why)
+        return StageResult(spec.name, "skipped", str(stage_dir), manifest.counts, manifest.metrics,
+                           0.0, why)
     reason = "forced" if status == "up-to-date" else why
     log.info("%s: running (%s)", spec.name, reason)
     inputs = resolve_inputs(spec, ctx)
     stage_dir.mkdir(parents=True, exist_ok=True)
-    (stage_dir / MANIFEST_NAME).unlink(missing_ok=True)  # a half-finished stage must never look done
+    # a half-finished stage must never look done
+    (stage_dir / MANIFEST_NAME).unlink(missing_ok=True)
     started = dt.datetime.now(dt.UTC)
     t0 = time.perf_counter()
-    run = ctx.tracking.stage_started(spec.name, params, reason) if ctx.tracking is not None else None
+    run = (ctx.tracking.stage_started(spec.name, params, reason)
+           if ctx.tracking is not None else None)
     try:
         out = compute(dataclasses.replace(ctx, stage_run=run), stage_dir,
-                      {k: ctx.artifact(k) for k in (*spec.inputs, *(f"{m}/{MANIFEST_NAME}" for m in spec.manifests))})
+                      {k: ctx.artifact(k)
+                       for k in (*spec.inputs, *(f"{m}/{MANIFEST_NAME}" for m in spec.manifests))})
     except BaseException:
         if ctx.tracking is not None:
             ctx.tracking.stage_failed(run)
@@ -248,9 +258,11 @@ def run_stage(spec: StageSpec, ctx: RunContext, compute: Compute) -> StageResult
     )
     manifest_path = manifest.write(stage_dir)
     if ctx.tracking is not None:
-        ctx.tracking.stage_finished(run, manifest, manifest_path, [stage_dir / a for a in out.log_artifacts])
+        ctx.tracking.stage_finished(run, manifest, manifest_path,
+                                    [stage_dir / a for a in out.log_artifacts])
     log.info("%s: done in %.1fs %s", spec.name, duration, json.dumps(out.counts, default=str)[:400])
-    return StageResult(spec.name, "ran", str(stage_dir), manifest.counts, manifest.metrics, duration, reason)
+    return StageResult(spec.name, "ran", str(stage_dir), manifest.counts, manifest.metrics,
+                       duration, reason)
 
 
 def _fault_point(stage: str) -> None:
@@ -260,8 +272,10 @@ def _fault_point(stage: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def progress_logger(log: logging.Logger, what: str, every_s: float = 5.0) -> Callable[[int, int], None]:
-    """A `progress(done, total)` callback for long library loops; logs at most every `every_s` seconds."""
+def progress_logger(log: logging.Logger, what: str,
+                    every_s: float = 5.0) -> Callable[[int, int], None]:
+    """A `progress(done, total)` callback for long library loops; logs at most every `every_s`
+    seconds."""
     last = [0.0]
 
     def _progress(done: int, total: int) -> None:

@@ -14,10 +14,12 @@ from tasks.stage import RunContext, StageOutput
 def compute(ctx: RunContext, out: Path, inputs: dict[str, Path]) -> StageOutput:
     docs = pd.read_parquet(inputs["ingest/documents.parquet"], columns=["id", "text"])
     assign = pd.read_parquet(inputs["split/assignments.parquet"], columns=["id", "split"])
-    tok = fit_tokenizer(documents_in_split(docs, assign, "train")["text"].tolist(), ctx.config.tokenizer)
+    tok = fit_tokenizer(documents_in_split(docs, assign, "train")["text"].tolist(),
+                        ctx.config.tokenizer)
     save_tokenizer(tok, out / "tokenizer.json")
     val = tokenizer_stats(tok, documents_in_split(docs, assign, "val")["text"].tolist())
-    counts = {"vocab_size": val["vocab_size"], "val_tokens": val["tokens"], "val_words": val["words"]}
+    counts = {"vocab_size": val["vocab_size"], "val_tokens": val["tokens"],
+              "val_words": val["words"]}
     metrics = {"val_unk_rate": val["unk_rate"], "val_tokens_per_word": val["tokens_per_word"]}
     return StageOutput(["tokenizer.json"], counts, metrics, log_artifacts=["tokenizer.json"])
 

@@ -1,4 +1,5 @@
-"""Shared fixtures: one Prefect test harness for the whole run, MLflow on a temporary SQLite file."""
+"""Shared fixtures: one Prefect test harness for the whole run, MLflow on a temporary SQLite
+file."""
 
 from __future__ import annotations
 
@@ -67,7 +68,8 @@ def prefect_harness():
     with prefect_test_harness(server_startup_timeout=120):
         _prefect_console_follows_current_stderr()
         yield
-        # pytest has closed the captured streams by now; the server's goodbye line would crash logging
+        # pytest has closed the captured streams by now; the server's goodbye line would
+        # crash logging
         logging.getLogger("prefect").setLevel(logging.WARNING)
 
 
@@ -89,11 +91,13 @@ def folder_corpus(tmp_path):
         "birds/b.txt": "A heron waits in the reeds, perfectly still, until a frog moves nearby.",
         "fish/c.txt": "Salmon swim upstream against strong currents to reach their spawning beds.",
         "fish/d.txt": "Coral reefs shelter thousands of small fish from larger hunting predators.",
-        "fish/copy.txt": "Salmon swim upstream against strong currents to reach their spawning beds.",
+        "fish/copy.txt": "Salmon swim upstream against strong currents "
+                         "to reach their spawning beds.",
     }
     for rel, text in texts.items():
         (root / rel).write_text(text, encoding="utf-8")
-    (root / "birds" / "latin1.txt").write_bytes("Caf\xe9 au lait with the morning birds singing".encode("latin-1"))
+    (root / "birds" / "latin1.txt").write_bytes(
+        "Caf\xe9 au lait with the morning birds singing".encode("latin-1"))
     (root / "fish" / "empty.txt").write_text("   \n\t ", encoding="utf-8")
     return root
 

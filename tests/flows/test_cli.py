@@ -1,4 +1,5 @@
-"""The CLI: user errors are one line on stderr with exit code 2; report --json is machine-readable."""
+"""The CLI: user errors are one line on stderr with exit code 2; report --json is
+machine-readable."""
 
 import json
 import os
@@ -17,10 +18,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _cli(*args: str, cwd: Path = ROOT) -> tuple[subprocess.CompletedProcess, float]:
-    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}  # the CLI's own default
+    env = {k: v for k, v in os.environ.items()
+           if k != "TF_CPP_MIN_LOG_LEVEL"}  # the CLI's own default
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=60, check=False)
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=60, check=False)
     return proc, time.perf_counter() - t0
 
 
@@ -31,7 +33,8 @@ def test_unknown_setting_exits_2_with_one_line(capsys):
 
 
 def test_missing_corpus_exits_2(tmp_path, capsys):
-    code = main(["run", "--corpus", str(tmp_path / "nope"), "--workdir", str(tmp_path / "wd"), "--no-tracking"])
+    code = main(["run", "--corpus", str(tmp_path / "nope"), "--workdir", str(tmp_path / "wd"),
+                 "--no-tracking"])
     assert code == 2
     assert "does not exist" in capsys.readouterr().err
 
@@ -44,7 +47,8 @@ def test_unknown_stage_exits_2(tmp_path, capsys):
 @pytest.mark.usefixtures("prefect_harness")
 def test_run_flow_then_report_json(folder_corpus, tmp_path, mlflow_uri, capsys):
     wd = str(tmp_path / "wd")
-    assert main(["run", "--corpus", str(folder_corpus), "--preset", "tiny", "--only", "ingest", "--workdir", wd]) == 0
+    assert main(["run", "--corpus", str(folder_corpus), "--preset", "tiny", "--only", "ingest",
+                 "--workdir", wd]) == 0
     capsys.readouterr()
     assert main(["report", "--workdir", wd, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
@@ -53,7 +57,8 @@ def test_run_flow_then_report_json(folder_corpus, tmp_path, mlflow_uri, capsys):
 
 
 def test_console_script_help_lists_commands():
-    out = subprocess.run([sys.executable, "-m", "flows.cli", "--help"], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-m", "flows.cli", "--help"], capture_output=True,
+                         text=True, check=True)
     for command in ("run", "stages", "report", "ui"):
         assert command in out.stdout
 
@@ -85,7 +90,8 @@ def test_bad_input_answers_at_once_in_one_line(tmp_path):
         proc, seconds = _cli("run", *args, "--workdir", str(tmp_path / "wd"))
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2, (case, proc.stderr)
-        assert len(lines) == 1 and lines[0].startswith("selfsup: error: ") and message in lines[0], (case, lines)
+        assert (len(lines) == 1 and lines[0].startswith("selfsup: error: ")
+                and message in lines[0]), (case, lines)
         assert seconds < 3.0, f"{case}: {seconds:.1f}s"
         assert not (tmp_path / "wd").exists(), case  # refused before any work
 
@@ -93,29 +99,34 @@ def test_bad_input_answers_at_once_in_one_line(tmp_path):
 def test_stages_and_report_answer_without_tensorflow_or_prefect(tiny_run):
     wd, _, _ = tiny_run
     probe = ("import sys; from flows.cli import main; main({args!r}); "
-             "print('LOADED', sorted(m for m in ('tensorflow', 'keras', 'prefect', 'mlflow') if m in sys.modules))")
+             "print('LOADED', sorted(m for m in ('tensorflow', 'keras', 'prefect', 'mlflow') "
+             "if m in sys.modules))")
     for args in (["stages", "--workdir", str(wd)], ["report", "--workdir", str(wd)]):
-        proc = subprocess.run([sys.executable, "-c", probe.format(args=args)], cwd=ROOT, capture_output=True,
-                              text=True, timeout=60, check=True)
+        proc = subprocess.run([sys.executable, "-c", probe.format(args=args)], cwd=ROOT,
+                              capture_output=True, text=True, timeout=60, check=True)
         assert "LOADED []" in proc.stdout, (args, proc.stdout[-500:])
 
 
 def test_workdir_remembers_how_it_was_made(tiny_run, capsys):
     wd, _, _ = tiny_run
     settings = read_settings(wd)
-    assert settings.preset == "tiny" and settings.corpus == "pydocs" and settings.config.model.hidden == 16
-    # No --preset: the stored tiny settings, so nothing is stale (a demo preset would make all stale).
+    assert (settings.preset == "tiny" and settings.corpus == "pydocs"
+            and settings.config.model.hidden == 16)
+    # No --preset: the stored tiny settings, so nothing is stale (a demo preset would make all
+    # stale).
     assert main(["stages", "--workdir", str(wd)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 10 and all(line.split()[1] == "up-to-date" for line in lines), lines
     # --set applies on top of the stored settings, not of the default preset.
     assert main(["stages", "--workdir", str(wd), "--set", "compare.seed=9"]) == 0
     status = {line.split()[0]: line.split()[1] for line in capsys.readouterr().out.splitlines()}
-    assert status["compare"] == "stale" and status["masks"] == "up-to-date" and status["pretrain"] == "up-to-date"
+    assert (status["compare"] == "stale" and status["masks"] == "up-to-date"
+            and status["pretrain"] == "up-to-date")
 
 
 def test_changed_settings_name_the_stages_that_rerun():
-    downstream_of_tokenizer = ["tokenizer", "encode", "masks", "pretrain", "finetune", "baseline", "compare"]
+    downstream_of_tokenizer = ["tokenizer", "encode", "masks", "pretrain", "finetune", "baseline",
+                               "compare"]
     assert stages_shaped_by(["config.tokenizer.vocab_size"]) == downstream_of_tokenizer
     # finetune reads the encoder, compare the pretrain manifest; baseline never reads pretraining.
     assert stages_shaped_by(["config.masks.seed"]) == ["masks", "pretrain", "finetune", "compare"]

@@ -1,4 +1,5 @@
-"""End to end: the tiny preset on the embedded corpus through the Prefect flow, tracked in MLflow."""
+"""End to end: the tiny preset on the embedded corpus through the Prefect flow, tracked in
+MLflow."""
 
 import json
 
@@ -15,7 +16,8 @@ from selfsup_model.presets import build_config
 from selfsup_model.specials import PAD_ID
 
 DETERMINISTIC = [
-    "ingest/documents.parquet", "ingest/rejects.parquet", "dedup/clusters.parquet", "dedup/signatures.npy",
+    "ingest/documents.parquet", "ingest/rejects.parquet", "dedup/clusters.parquet",
+    "dedup/signatures.npy",
     "split/assignments.parquet", "tokenizer/tokenizer.json", "encode/train_windows.npy",
     "encode/val_windows.npy", "encode/test_windows.npy", "masks/val_masks.npz",
 ]
@@ -54,10 +56,12 @@ def test_static_masks_score_only_real_tokens(tiny_run):
 
 def test_rerun_skips_everything_and_same_seed_is_byte_identical(tiny_run, tmp_path):
     wd, _, _ = tiny_run
-    again = run_pipeline(build_config("tiny"), "pydocs", workdir=str(wd), stages=UP_TO_MASKS, tracking=False)
+    again = run_pipeline(build_config("tiny"), "pydocs", workdir=str(wd), stages=UP_TO_MASKS,
+                         tracking=False)
     assert {r.status for r in again} == {"skipped"}
     fresh = tmp_path / "fresh"
-    run_pipeline(build_config("tiny"), "pydocs", workdir=str(fresh), stages=UP_TO_MASKS, tracking=False)
+    run_pipeline(build_config("tiny"), "pydocs", workdir=str(fresh), stages=UP_TO_MASKS,
+                 tracking=False)
     for key in DETERMINISTIC:
         assert sha256_file(wd / key) == sha256_file(fresh / key), key
 
@@ -70,7 +74,8 @@ def test_changed_parameter_reruns_that_stage_and_downstream_only(tiny_run, tmp_p
         "ingest": "skipped", "dedup": "skipped", "split": "skipped",
         "tokenizer": "ran", "encode": "ran", "masks": "ran"}
     # and back again, so later tests see the preset's artifacts
-    run_pipeline(build_config("tiny"), "pydocs", workdir=str(wd), stages=UP_TO_MASKS, tracking=False)
+    run_pipeline(build_config("tiny"), "pydocs", workdir=str(wd), stages=UP_TO_MASKS,
+                 tracking=False)
 
 
 def test_mlflow_has_one_parent_and_a_child_per_stage(tiny_run):
@@ -81,7 +86,8 @@ def test_mlflow_has_one_parent_and_a_child_per_stage(tiny_run):
     parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
     assert len(parents) == 1
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id]
-    assert sorted(r.data.tags["selfsup.stage"] for r in children) == sorted(r["stage"] for r in results)
+    assert (sorted(r.data.tags["selfsup.stage"] for r in children)
+            == sorted(r["stage"] for r in results))
     parent = parents[0]
     assert parent.data.tags["selfsup.preset"] == "tiny"
     assert parent.data.metrics["masks.scored_tokens"] > 0
@@ -98,7 +104,8 @@ def test_report_is_recomputable_and_lists_every_method(tiny_run):
     report = json.loads((wd / "compare" / "report.json").read_text())
     predictions = pd.read_parquet(wd / "compare" / "predictions.parquet")
     assert set(predictions.columns) >= {"id", "method", "fraction", "label", "prediction"}
-    test_ids = set(pd.read_parquet(wd / "split" / "assignments.parquet").query("split == 'test'")["id"])
+    test_ids = set(pd.read_parquet(wd / "split" / "assignments.parquet")
+                   .query("split == 'test'")["id"])
     assert set(predictions["id"]) <= test_ids  # only the test split is ever scored
     again = {(r["method"], r["fraction"]): r for r in recompute_results(predictions, 50, 5)}
     for row in report["results"]:

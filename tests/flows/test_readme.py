@@ -39,11 +39,13 @@ def test_readme_shows_the_two_commands():
     assert ["make", "demo"] in COMMANDS and ["make", "test"] in COMMANDS
 
 
-@pytest.mark.parametrize("words", [c for c in COMMANDS if Path(c[0]).name == "selfsup"], ids=" ".join)
+@pytest.mark.parametrize("words", [c for c in COMMANDS if Path(c[0]).name == "selfsup"],
+                         ids=" ".join)
 def test_selfsup_commands_parse_and_validate(words, tmp_path):
     args = build_parser().parse_args(words[1:])
     if args.command in ("run", "stages"):  # every --set key exists and is valid
-        resolve_settings(tmp_path, args.corpus, args.corpus_format, args.preset, None, args.overrides)
+        resolve_settings(tmp_path, args.corpus, args.corpus_format, args.preset, None,
+                         args.overrides)
     if args.command == "run":
         select_stages(args.only, args.from_stage, args.to_stage)
 
@@ -56,6 +58,6 @@ def test_make_targets_exist():
 def test_prefect_subcommands_exist():
     for words in {tuple(c[:3]) for c in COMMANDS if c[0] == "prefect"}:
         sub = [w for w in words[1:] if not w.startswith("-")][:2]
-        out = subprocess.run([sys.executable, "-m", "prefect", *sub, "--help"], capture_output=True, text=True,
-                             check=False, timeout=120)
+        out = subprocess.run([sys.executable, "-m", "prefect", *sub, "--help"], capture_output=True,
+                             text=True, check=False, timeout=120)
         assert out.returncode == 0, (words, out.stderr[-500:])

@@ -1,4 +1,5 @@
-"""Rerun semantics: skip what is up to date, rerun on changed parameters, inputs or tampered outputs."""
+"""Rerun semantics: skip what is up to date, rerun on changed parameters, inputs or tampered
+outputs."""
 
 import time
 
@@ -18,20 +19,23 @@ def test_second_identical_run_skips_ingest_fast(folder_corpus, tmp_path, mlflow_
     first = run_pipeline(cfg, str(folder_corpus), workdir=str(wd), stages=["ingest"])
     assert _statuses(first) == {"ingest": "ran"}
     t0 = time.perf_counter()
-    second = run_pipeline(cfg, str(folder_corpus), workdir=str(wd), stages=["ingest"], tracking=False)
+    second = run_pipeline(cfg, str(folder_corpus), workdir=str(wd), stages=["ingest"],
+                          tracking=False)
     assert _statuses(second) == {"ingest": "skipped"}
     assert time.perf_counter() - t0 < 1.0
 
 
 def test_changed_parameter_reruns_and_force_reruns(folder_corpus, tmp_path):
     wd = str(tmp_path / "wd")
-    run_pipeline(build_config("tiny"), str(folder_corpus), workdir=wd, stages=["ingest"], tracking=False)
+    run_pipeline(build_config("tiny"), str(folder_corpus), workdir=wd, stages=["ingest"],
+                 tracking=False)
     changed = build_config("tiny", overrides=["ingest.min_chars=72"])
-    result = run_pipeline(changed, str(folder_corpus), workdir=wd, stages=["ingest"], tracking=False)
+    result = run_pipeline(changed, str(folder_corpus), workdir=wd, stages=["ingest"],
+                          tracking=False)
     assert _statuses(result) == {"ingest": "ran"}
     assert result[0].counts["rejected_too_short"] > 0
-    again = run_pipeline(changed, str(folder_corpus), workdir=wd, stages=["ingest"], force=["ingest"],
-                         tracking=False)
+    again = run_pipeline(changed, str(folder_corpus), workdir=wd, stages=["ingest"],
+                         force=["ingest"], tracking=False)
     assert _statuses(again) == {"ingest": "ran"}
 
 
@@ -42,7 +46,8 @@ def test_tampered_output_is_detected_and_rebuilt(folder_corpus, tmp_path):
     docs = wd / "ingest" / "documents.parquet"
     original = docs.read_bytes()
     docs.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))
-    result = run_pipeline(cfg, str(folder_corpus), workdir=str(wd), stages=["ingest"], tracking=False)
+    result = run_pipeline(cfg, str(folder_corpus), workdir=str(wd), stages=["ingest"],
+                          tracking=False)
     assert _statuses(result) == {"ingest": "ran"}
     assert "modified" in result[0].reason
     assert docs.read_bytes() == original  # deterministic rebuild
@@ -52,7 +57,8 @@ def test_changed_corpus_file_reruns_ingest(folder_corpus, tmp_path):
     wd = str(tmp_path / "wd")
     cfg = build_config("tiny")
     run_pipeline(cfg, str(folder_corpus), workdir=wd, stages=["ingest"], tracking=False)
-    (folder_corpus / "birds" / "new.txt").write_text("An owl hunts silently across the moonlit field.")
+    (folder_corpus / "birds" / "new.txt").write_text(
+        "An owl hunts silently across the moonlit field.")
     result = run_pipeline(cfg, str(folder_corpus), workdir=wd, stages=["ingest"], tracking=False)
     assert _statuses(result) == {"ingest": "ran"}
     assert result[0].counts["kept"] == 5

@@ -1,7 +1,8 @@
-"""Review in a real browser: `selfsup ui` over a tiny run's store, the parent run page in headless Chromium.
+"""Review in a real browser: `selfsup ui` over a tiny run's store, the parent run page in
+headless Chromium.
 
-Needs Debian's chromium and chromium-driver (.ci/run installs them). Without them the test is skipped,
-unless SELFSUP_REQUIRE_BROWSER=1 (set by CI), where a missing browser is a failure.
+Needs Debian's chromium and chromium-driver (.ci/run installs them). Without them the test is
+skipped, unless SELFSUP_REQUIRE_BROWSER=1 (set by CI), where a missing browser is a failure.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ def _require_browser():
     if CHROMIUM and CHROMEDRIVER:
         return
     if os.environ.get("SELFSUP_REQUIRE_BROWSER") == "1":
-        pytest.fail("chromium/chromedriver not installed (apt-get install chromium chromium-driver)")
+        pytest.fail("chromium/chromedriver not installed "
+                    "(apt-get install chromium chromium-driver)")
     pytest.skip("chromium/chromedriver not installed")
 
 
@@ -42,9 +44,10 @@ def mlflow_ui(tiny_run):
     wd, uri, _ = tiny_run
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "ui", "--workdir", str(wd), "--port", str(port)],
-                            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "ui", "--workdir", str(wd),
+                             "--port", str(port)],
+                            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         first_line = proc.stdout.readline()
@@ -96,7 +99,8 @@ def test_parent_run_page_shows_metrics_and_report(mlflow_ui, tmp_path):
     url, uri = mlflow_ui
     client = MlflowClient(uri)
     exp = client.get_experiment_by_name("selfsup")
-    parent = next(r for r in client.search_runs([exp.experiment_id]) if "mlflow.parentRunId" not in r.data.tags)
+    parent = next(r for r in client.search_runs([exp.experiment_id])
+                  if "mlflow.parentRunId" not in r.data.tags)
     run_url = f"{url}/#/experiments/{exp.experiment_id}/runs/{parent.info.run_id}"
     driver = _browser()
     try:

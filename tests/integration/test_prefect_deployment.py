@@ -1,7 +1,8 @@
-"""The real operating path: a local Prefect server, a process work pool and worker, `prefect deploy --all`.
+"""The real operating path: a local Prefect server, a process work pool and worker,
+`prefect deploy --all`.
 
-Triggers the scheduled pipeline deployment with the tiny preset, waits for Completed, then triggers the
-single-stage rerun deployment and checks that exactly that stage ran again.
+Triggers the scheduled pipeline deployment with the tiny preset, waits for Completed, then
+triggers the single-stage rerun deployment and checks that exactly that stage ran again.
 """
 
 from __future__ import annotations
@@ -45,12 +46,15 @@ def prefect_server(tmp_path_factory):
     home = tmp_path_factory.mktemp("prefect-home")
     port = _free_port()
     api = f"http://127.0.0.1:{port}/api"
-    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": api, "SELFSUP_HOME": str(ROOT),
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": api,
+           "SELFSUP_HOME": str(ROOT),
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_LOGGING_LEVEL": "WARNING",
            "MLFLOW_TRACKING_URI": f"sqlite:///{home / 'mlflow.db'}"}
     env.pop("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", None)
-    server = subprocess.Popen([*PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    server = subprocess.Popen([*PREFECT, "server", "start", "--host", "127.0.0.1",
+                               "--port", str(port)],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              start_new_session=True)
     try:
         _wait_healthy(api)
         yield env, home
@@ -60,8 +64,8 @@ def prefect_server(tmp_path_factory):
 
 
 def _prefect(env, *args: str, timeout: float = 300) -> str:
-    out = subprocess.run([*PREFECT, "--no-prompt", *args], check=False, env=env, cwd=ROOT, capture_output=True, text=True,
-                         timeout=timeout)
+    out = subprocess.run([*PREFECT, "--no-prompt", *args], check=False, env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, f"prefect {' '.join(args)} failed:\n{out.stdout}\n{out.stderr}"
     return out.stdout
 
@@ -77,7 +81,8 @@ def _run_and_wait(env, deployment: str, params: dict, timeout: float = 420) -> d
     deadline = time.monotonic() + 60
     while True:
         state = json.loads(_prefect(env, "flow-run", "inspect", run_id, "--output", "json"))
-        if state["state"]["type"] in {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"} or time.monotonic() > deadline:
+        if (state["state"]["type"] in {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+                or time.monotonic() > deadline):
             return state
         time.sleep(2)
 
@@ -99,5 +104,6 @@ def test_deploy_schedule_and_rerun_one_stage(prefect_server, tmp_path):
     rerun = _run_and_wait(env, "selfsup-stage/rerun-stage",
                           {"stage": "masks", "preset": "tiny", "workdir": str(workdir)})
     assert rerun["state"]["type"] == "COMPLETED", rerun["state"]
-    after = {p.parent.name: json.loads(p.read_text())["finished_at"] for p in workdir.glob("*/manifest.json")}
+    after = {p.parent.name: json.loads(p.read_text())["finished_at"]
+             for p in workdir.glob("*/manifest.json")}
     assert [name for name in after if after[name] != before[name]] == ["masks"]

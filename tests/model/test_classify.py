@@ -27,7 +27,8 @@ CFG = FinetuneConfig(epochs=2, batch_size=8, patience=1, dropout=0.0)
 
 def tiny_backbone() -> keras.Model:
     """The real encoder at test size: int32 ids (B, L) -> states (B, L, H)."""
-    return build_backbone(VOCAB, MAX_LEN, ModelConfig(hidden=HIDDEN, layers=1, heads=2, ff=16, dropout=0.0))
+    return build_backbone(VOCAB, MAX_LEN,
+                          ModelConfig(hidden=HIDDEN, layers=1, heads=2, ff=16, dropout=0.0))
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +111,8 @@ def test_probe_changes_no_backbone_weight(pretrained, probe_runs):
     for b, a in zip(before, after):
         np.testing.assert_array_equal(a, b)
     # Only the head can learn.
-    assert [v.path for v in result.model.trainable_variables] == ["head_logits/kernel", "head_logits/bias"]
+    assert ([v.path for v in result.model.trainable_variables]
+            == ["head_logits/kernel", "head_logits/bias"])
 
 
 def test_selection_uses_validation_only(probe_runs):
@@ -138,7 +140,8 @@ def test_full_changes_backbone_and_round_trips(pretrained, tmp_path):
     result.model.save(path)
     loaded = keras.saving.load_model(path, safe_mode=True)
     ids = make_docs(8, 3)[0]
-    np.testing.assert_allclose(loaded.predict(ids, verbose=0), result.model.predict(ids, verbose=0), atol=1e-6)
+    np.testing.assert_allclose(loaded.predict(ids, verbose=0), result.model.predict(ids, verbose=0),
+                               atol=1e-6)
 
 
 def test_two_rate_adam_scales_the_encoder_step():
@@ -160,11 +163,14 @@ def test_scratch_starts_from_fresh_weights(tmp_path):
     def factory():
         return keras.saving.load_model(tmp_path / "encoder.keras", safe_mode=True)
 
-    frozen_lr = FinetuneConfig(epochs=1, batch_size=16, head_learning_rate=1e-12, encoder_learning_rate=1e-12)
-    result = train_classifier(factory, make_docs(16, 1), make_docs(8, 2), 2, "scratch", frozen_lr, seed=1)
+    frozen_lr = FinetuneConfig(epochs=1, batch_size=16, head_learning_rate=1e-12,
+                               encoder_learning_rate=1e-12)
+    result = train_classifier(factory, make_docs(16, 1), make_docs(8, 2), 2, "scratch", frozen_lr,
+                              seed=1)
     for w in backbone_weights(result.model):
         assert not np.allclose(w, 0.5)
-    assert [w.shape for w in backbone_weights(result.model)] == [w.shape for w in marked.get_weights()]
+    assert ([w.shape for w in backbone_weights(result.model)]
+            == [w.shape for w in marked.get_weights()])
 
 
 def test_training_errors_are_clear(pretrained):

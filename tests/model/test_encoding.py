@@ -50,7 +50,8 @@ def test_windows_by_hand(tok):
     ]
     assert out.windows.dtype == np.int32 and out.doc_offsets.dtype == np.int64
     assert out.doc_offsets.tolist() == [0, 2, 3]
-    assert first_windows(out.windows, out.doc_offsets).tolist() == [out.windows[0].tolist(), out.windows[2].tolist()]
+    assert (first_windows(out.windows, out.doc_offsets).tolist()
+            == [out.windows[0].tolist(), out.windows[2].tolist()])
     # tokens = non-pad positions, [CLS]/[SEP] included, overlap counted in each window.
     assert out.counts == {
         "documents": 2,

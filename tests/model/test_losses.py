@@ -87,7 +87,8 @@ def test_zero_weight_batch_gives_zero_not_nan_and_is_counted():
     metric.update_state(0.0, 0.0)
     metric.update_state(2.0, 4.0)
     result = {k: float(ops.convert_to_numpy(v)) for k, v in metric.result().items()}
-    assert result == {"mlm_loss": 0.5, "mlm_loss_sum": 2.0, "scored_tokens": 4.0, "empty_batches": 1.0}
+    assert result == {"mlm_loss": 0.5, "mlm_loss_sum": 2.0, "scored_tokens": 4.0,
+                      "empty_batches": 1.0}
 
 
 def test_pooled_evaluation_is_not_a_mean_of_batch_means():

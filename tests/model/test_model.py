@@ -63,7 +63,8 @@ def test_bidirectional_states_do_see_later_tokens(bidirectional):
     ids = _ids([[7, 8, 9, 10, 11, 12]])
     changed = ids.copy()
     changed[0, 5] = 20
-    assert np.abs(_run(bidirectional, ids)[0, :5] - _run(bidirectional, changed)[0, :5]).max() > 1e-4
+    assert np.abs(_run(bidirectional, ids)[0, :5]
+                  - _run(bidirectional, changed)[0, :5]).max() > 1e-4
 
 
 @pytest.mark.parametrize("norm,is_causal", [("post", False), ("pre", False), ("post", True)])
@@ -108,7 +109,8 @@ def test_gathered_mlm_logits_equal_full_logits_at_those_positions(tie):
     full = _run(export, ids)  # (B, L, V)
     assert gathered.shape == (2, 3, V) and full.shape == (2, L, V)
     assert gathered.dtype == np.float32
-    np.testing.assert_allclose(gathered, np.take_along_axis(full, positions[..., None], axis=1), atol=1e-5)
+    np.testing.assert_allclose(gathered, np.take_along_axis(full, positions[..., None], axis=1),
+                               atol=1e-5)
     # Shared layers, not copies: the export model owns no variable the training model lacks.
     assert {id(v) for v in export.weights} <= {id(v) for v in train.weights}
     assert len({id(v) for v in train.trainable_weights}) == len(train.trainable_weights)
@@ -118,7 +120,8 @@ def test_gathered_mlm_logits_equal_full_logits_at_those_positions(tie):
 
 def test_layer_configs_round_trip():
     block = TransformerEncoderBlock(8, 2, 16, dropout=0.1, norm="pre", causal=True, name="b")
-    assert TransformerEncoderBlock.from_config(block.get_config()).get_config() == block.get_config()
+    assert (TransformerEncoderBlock.from_config(block.get_config()).get_config()
+            == block.get_config())
     emb = TokenAndPositionEmbedding(V, L, 8, name="e")
     assert TokenAndPositionEmbedding.from_config(emb.get_config()).get_config() == emb.get_config()
     head = MaskedLMHead(V, 8, tie_embeddings=False, name="h")

@@ -51,8 +51,8 @@ def topic_windows(n: int, seed: int) -> np.ndarray:
 
 
 def tiny_config(**kw) -> PretrainConfig:
-    base = {"batch_size": 16, "steps": 40, "learning_rate": 2e-2, "warmup_steps": 4, "log_every": 10,
-            "eval_every": 20, "checkpoint_every": 20}
+    base = {"batch_size": 16, "steps": 40, "learning_rate": 2e-2, "warmup_steps": 4,
+            "log_every": 10, "eval_every": 20, "checkpoint_every": 20}
     return PretrainConfig(**{**base, **kw})
 
 
@@ -223,4 +223,5 @@ def test_killed_run_resumes_to_the_same_result(tmp_path):
     logged_steps = [json.loads(line)["step"] for line in log.read_text().splitlines()]
     assert sorted(logged_steps) == sorted(set(logged_steps)) == [e["step"] for e in ref_logged]
     # Same batches, optimiser state and dropout draws: it ends where the uninterrupted run did.
-    assert history[-1]["val/mlm_loss"] == pytest.approx(reference.val_metrics["val/mlm_loss"], abs=1e-6)
+    assert history[-1]["val/mlm_loss"] == pytest.approx(reference.val_metrics["val/mlm_loss"],
+                                                        abs=1e-6)

@@ -36,7 +36,8 @@ def predictions_table(n_test=60, seed=0) -> pd.DataFrame:
 
 def test_report_numbers_recompute_from_predictions(tmp_path):
     table = predictions_table()
-    results = [{**r, "val_macro_f1": 0.5, "train_time_s": 1.25} for r in recompute_results(table, 200, 1)]
+    results = [{**r, "val_macro_f1": 0.5, "train_time_s": 1.25}
+               for r in recompute_results(table, 200, 1)]
     context = {"pretraining corpus": {"docs": 120, "tokens": 9000}, "scored tokens": 1350,
                "leakage audit": "0 near-duplicates crossed", "labels": list(LABELS)}
     written = write_report(tmp_path, results, context, predictions=table)
@@ -50,11 +51,13 @@ def test_report_numbers_recompute_from_predictions(tmp_path):
     again = {(r["method"], r["fraction"]): r for r in recompute_results(table, 200, 1)}
     for row in report["results"]:
         fresh = again[(row["method"], row["fraction"])]
-        for key in ("test_accuracy", "test_macro_f1", "test_accuracy_ci", "test_macro_f1_ci", "n_test"):
+        for key in ("test_accuracy", "test_macro_f1", "test_accuracy_ci", "test_macro_f1_ci",
+                    "n_test"):
             assert row[key] == pytest.approx(fresh[key])
         group = table[(table.method == row["method"]) & (table.fraction == row["fraction"])]
         assert row["test_accuracy"] == pytest.approx(accuracy_score(group.label, group.prediction))
-        assert row["test_macro_f1"] == pytest.approx(f1_score(group.label, group.prediction, average="macro"))
+        assert row["test_macro_f1"] == pytest.approx(f1_score(group.label, group.prediction,
+                                                              average="macro"))
         low, high = row["test_macro_f1_ci"]
         assert low <= row["test_macro_f1"] <= high
 
@@ -75,7 +78,8 @@ def row(method, f1, ci, fraction=1.0):
 
 
 def test_statements_claim_only_what_the_intervals_support():
-    separated = winner_statements([row("probe", 0.60, (0.55, 0.65)), row("full", 0.80, (0.75, 0.85))])
+    separated = winner_statements([row("probe", 0.60, (0.55, 0.65)),
+                                   row("full", 0.80, (0.75, 0.85))])
     assert separated == [
         "Label fraction 1: full has the highest test macro-F1, 0.800 [0.750, 0.850]; "
         + "runner-up probe 0.600 [0.550, 0.650]. The intervals do not overlap."
@@ -85,7 +89,8 @@ def test_statements_claim_only_what_the_intervals_support():
     assert close[0].endswith("The intervals overlap: this test set does not clearly separate them.")
     assert "runner-up probe" in close[0]
     assert "tie" in winner_statements([row("a", 0.5, (0.4, 0.6)), row("b", 0.5, (0.4, 0.6))])[0]
-    assert "nothing to compare" in winner_statements([row("full", 0.8, (0.7, 0.9), fraction=0.05)])[0]
+    assert "nothing to compare" in winner_statements(
+        [row("full", 0.8, (0.7, 0.9), fraction=0.05)])[0]
     assert "No interval" in winner_statements([row("a", 0.5, None), row("b", 0.4, None)])[0]
 
 

@@ -6,7 +6,8 @@ from selfsup_model.windows import causal_lm_batch, first_windows, truncate_windo
 
 def test_truncation_keeps_framing_and_leaves_short_rows_alone():
     rows = np.array([
-        [CLS_ID, 10, 11, 12, 13, SEP_ID, PAD_ID, PAD_ID],  # longer than 4: cut, re-closed with [SEP]
+        # longer than 4: cut, re-closed with [SEP]
+        [CLS_ID, 10, 11, 12, 13, SEP_ID, PAD_ID, PAD_ID],
         [CLS_ID, 10, SEP_ID, PAD_ID, PAD_ID, PAD_ID, PAD_ID, PAD_ID],  # fits: unchanged
     ], dtype=np.int32)
     out = truncate_windows(rows, 4)

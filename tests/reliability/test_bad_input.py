@@ -33,7 +33,8 @@ def random_docs(n: int, seed: int = 0) -> list[str]:
 
 
 def _cli_error(capsys, argv) -> str:
-    """The run exits 2 and stderr holds one error line and no traceback (Prefect's own copies are hidden)."""
+    """The run exits 2 and stderr holds one error line and no traceback (Prefect's own copies are
+    hidden)."""
     assert main(argv) == 2
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if "Error" in line or "error" in line]
@@ -62,8 +63,8 @@ def test_unusable_corpora_exit_2(tmp_path, capsys, setup, message):
     elif setup == "unknown_suffix":
         corpus = tmp_path / "t.xml"
         corpus.write_text("<a/>")
-    err = _cli_error(capsys, ["run", "--corpus", str(corpus), "--workdir", str(tmp_path / "wd"), "--no-tracking",
-                              "--preset", "tiny", "--only", "ingest"])
+    err = _cli_error(capsys, ["run", "--corpus", str(corpus), "--workdir", str(tmp_path / "wd"),
+                              "--no-tracking", "--preset", "tiny", "--only", "ingest"])
     assert message in err
 
 
@@ -73,7 +74,8 @@ def test_unusable_corpora_exit_2(tmp_path, capsys, setup, message):
     ("split.train=0.5", "must sum to 1"),
 ])
 def test_invalid_settings_exit_2(tmp_path, capsys, override, message):
-    assert message in _cli_error(capsys, ["run", "--set", override, "--workdir", str(tmp_path), "--no-tracking"])
+    assert message in _cli_error(capsys, ["run", "--set", override, "--workdir", str(tmp_path),
+                                          "--no-tracking"])
 
 
 def test_unknown_format_is_rejected_by_the_parser(capsys):
@@ -88,8 +90,10 @@ def test_every_bad_file_is_a_counted_rejection(tmp_path):
     (root / "a").mkdir(parents=True)
     for i, text in enumerate(PROSE[:2]):
         (root / "a" / f"ok{i}.txt").write_text(text)
-    (root / "a" / "binary.txt").write_bytes(b"\x00\x01\x02 binary payload that is long enough to pass")
-    (root / "a" / "latin1.txt").write_bytes("d\xe9j\xe0 vu, encore une fois, et encore".encode("latin-1"))
+    (root / "a" / "binary.txt").write_bytes(
+        b"\x00\x01\x02 binary payload that is long enough to pass")
+    (root / "a" / "latin1.txt").write_bytes(
+        "d\xe9j\xe0 vu, encore une fois, et encore".encode("latin-1"))
     (root / "a" / "huge.txt").write_text("word " * 10_000_000)  # a 50 MB single line
     (root / "a" / "dangling.txt").symlink_to(tmp_path / "nowhere.txt")
     (root / "loose.txt").write_text("a file outside any label folder, long enough")
@@ -117,7 +121,8 @@ def test_identical_documents_are_too_few_to_split(tmp_path, capsys):
 
 
 def test_tables_with_odd_labels_ids_and_empty_tokens(tmp_path):
-    """NaN labels, one-document labels, duplicate ids, path-like ids, text that tokenises to nothing."""
+    """NaN labels, one-document labels, duplicate ids, path-like ids, text that tokenises to
+    nothing."""
     rows = [{"id": f"d{i}", "text": text, "label": ["alpha", "beta", "gamma"][i % 3]}
             for i, text in enumerate(random_docs(60))]
     rows[0]["label"] = None
@@ -152,6 +157,7 @@ def test_a_single_label_skips_classification_but_pretrains(tmp_path):
     assert [r.status for r in results] == ["ran"] * len(results)
     stages = collect_report(wd)["stages"]
     assert stages["pretrain"]["counts"]["steps"] == build_config("tiny").pretrain.steps
-    assert stages["finetune"]["counts"]["skipped"] == 1 and stages["baseline"]["counts"]["skipped"] == 1
+    assert (stages["finetune"]["counts"]["skipped"] == 1
+            and stages["baseline"]["counts"]["skipped"] == 1)
     assert "Skipped" in (wd / "compare" / "report.md").read_text()
 

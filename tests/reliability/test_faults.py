@@ -1,4 +1,5 @@
-"""Faults: SIGKILL mid-stage, tampered artifacts, two runs on one workdir, an unreachable MLflow store."""
+"""Faults: SIGKILL mid-stage, tampered artifacts, two runs on one workdir, an unreachable MLflow
+store."""
 
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ from selfsup_model.artifacts import sha256_file
 
 ROOT = Path(__file__).resolve().parents[2]
 DETERMINISTIC = [
-    "ingest/documents.parquet", "dedup/clusters.parquet", "dedup/signatures.npy", "split/assignments.parquet",
-    "tokenizer/tokenizer.json", "encode/train_windows.npy", "encode/val_windows.npy", "masks/val_masks.npz",
+    "ingest/documents.parquet", "dedup/clusters.parquet", "dedup/signatures.npy",
+    "split/assignments.parquet", "tokenizer/tokenizer.json", "encode/train_windows.npy",
+    "encode/val_windows.npy", "masks/val_masks.npz",
 ]
 
 
@@ -33,13 +35,15 @@ class Run:
     """
 
     def __init__(self, workdir: Path, *extra: str, env: dict | None = None, tmp: Path):
-        cmd = [sys.executable, "-m", "flows.cli", "run", "--preset", "tiny", "--workdir", str(workdir), *extra]
+        cmd = [sys.executable, "-m", "flows.cli", "run", "--preset", "tiny", "--workdir",
+               str(workdir), *extra]
         # Share the session's test Prefect API instead of starting a temporary server per process.
         env = {"PREFECT_API_URL": str(PREFECT_API_URL.value()), **(env or {})}
-        self.out_path, self.err_path = tmp / f"out-{time.monotonic_ns()}", tmp / f"err-{time.monotonic_ns()}"
+        self.out_path, self.err_path = (tmp / f"out-{time.monotonic_ns()}",
+                                        tmp / f"err-{time.monotonic_ns()}")
         with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
-            self.proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, cwd=ROOT, stdout=out, stderr=err,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, cwd=ROOT,
+                                         stdout=out, stderr=err, start_new_session=True)
         self.pid = self.proc.pid
 
     def poll(self):
@@ -67,10 +71,12 @@ def _cli(workdir: Path, *extra: str, env: dict | None = None, wait: bool = True,
 
 
 @pytest.mark.parametrize("stage", ["dedup", "encode"])
-def test_killed_stage_is_never_trusted_and_rerun_matches_an_uninterrupted_run(tmp_path, tiny_run, stage):
+def test_killed_stage_is_never_trusted_and_rerun_matches_an_uninterrupted_run(
+        tmp_path, tiny_run, stage):
     reference, _, _ = tiny_run
     wd = tmp_path / "wd"
-    killed = _cli(wd, "--to", "masks", "--no-tracking", env={"SELFSUP_FAULT_KILL": stage}, tmp=tmp_path)
+    killed = _cli(wd, "--to", "masks", "--no-tracking", env={"SELFSUP_FAULT_KILL": stage},
+                  tmp=tmp_path)
     assert killed.returncode == -signal.SIGKILL
     assert not (wd / stage / "manifest.json").exists()  # outputs may be there, but untrusted
     again = _cli(wd, "--to", "masks", "--no-tracking", tmp=tmp_path)
@@ -83,9 +89,10 @@ def test_killed_stage_is_never_trusted_and_rerun_matches_an_uninterrupted_run(tm
 def test_pretraining_killed_after_a_checkpoint_resumes_to_the_same_step_count(tmp_path, tiny_run):
     reference, _, _ = tiny_run
     wd = tmp_path / "wd"
-    shutil.copytree(reference, wd, ignore=shutil.ignore_patterns("pretrain", "finetune", "baseline", "compare",
-                                                                  "mlflow.db", "mlartifacts"))
-    args = ("--to", "pretrain", "--no-tracking", "--set", "pretrain.steps=240", "--set", "pretrain.checkpoint_every=40")
+    shutil.copytree(reference, wd, ignore=shutil.ignore_patterns(
+        "pretrain", "finetune", "baseline", "compare", "mlflow.db", "mlartifacts"))
+    args = ("--to", "pretrain", "--no-tracking", "--set", "pretrain.steps=240", "--set",
+            "pretrain.checkpoint_every=40")
     proc = _cli(wd, *args, wait=False, tmp=tmp_path)
     ckpts = wd / "pretrain" / "checkpoints"
     deadline = time.monotonic() + 300
@@ -120,13 +127,16 @@ def test_tampered_artifact_is_refused_by_its_consumer_and_rebuilt_by_its_stage(
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
     path.write_bytes(bytes(data))
-    code = main(["run", "--preset", "tiny", "--workdir", str(wd), "--only", consumer, "--no-tracking"])
+    code = main(["run", "--preset", "tiny", "--workdir", str(wd), "--only", consumer,
+                 "--no-tracking"])
     assert code == 2
     err = capsys.readouterr().err
     assert "no longer matches the hash" in err and f"--force {artifact.split('/')[0]}" in err
     stage = artifact.split("/")[0]
-    assert main(["run", "--preset", "tiny", "--workdir", str(wd), "--only", stage, "--no-tracking"]) == 0
-    assert "output " + artifact.split("/")[1] + " is missing or was modified" in capsys.readouterr().out
+    assert main(["run", "--preset", "tiny", "--workdir", str(wd), "--only", stage,
+                 "--no-tracking"]) == 0
+    assert ("output " + artifact.split("/")[1] + " is missing or was modified"
+            in capsys.readouterr().out)
 
 
 def test_a_second_run_on_a_busy_workdir_is_refused(tmp_path, capsys):
@@ -142,7 +152,8 @@ def test_two_processes_on_one_workdir(tmp_path):
     first = _cli(wd, "--to", "split", "--no-tracking", wait=False, tmp=tmp_path)
     lock = wd / ".selfsup.lock"
     deadline = time.monotonic() + 120
-    while not (lock.exists() and lock.read_text().strip() == str(first.pid)) and time.monotonic() < deadline:
+    while (not (lock.exists() and lock.read_text().strip() == str(first.pid))
+           and time.monotonic() < deadline):
         time.sleep(0.1)
     second = _cli(wd, "--to", "split", "--no-tracking", tmp=tmp_path)
     out = first.finish().stderr

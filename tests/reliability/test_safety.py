@@ -1,4 +1,5 @@
-"""Safety: safe model loading from hashed artifacts, no pickle, loopback-only servers, no Prefect result pickles."""
+"""Safety: safe model loading from hashed artifacts, no pickle, loopback-only servers, no Prefect
+result pickles."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from flows.pipeline import pipeline_flow, stage_flow
 from tasks.registry import STAGE_NAMES, stage_tasks
 
 ROOT = Path(__file__).resolve().parents[2]
-SOURCES = sorted(p for pkg in ("flows", "tasks", "selfsup_model") for p in (ROOT / pkg).rglob("*.py"))
+SOURCES = sorted(p for pkg in ("flows", "tasks", "selfsup_model")
+                 for p in (ROOT / pkg).rglob("*.py"))
 
 
 def _calls(pattern: str) -> list[tuple[Path, str]]:
@@ -25,14 +27,16 @@ def _calls(pattern: str) -> list[tuple[Path, str]]:
 
 
 def test_every_keras_model_load_uses_safe_mode():
-    loads = _calls(r"(?<!\w)load_model\((?:[^()]|\([^()]*\))*\)")  # Keras' load_model, not _load_model
+    # Keras' load_model, not _load_model
+    loads = _calls(r"(?<!\w)load_model\((?:[^()]|\([^()]*\))*\)")
     assert loads, "expected model loading somewhere"
     unsafe = [(p.name, call) for p, call in loads if "safe_mode=True" not in call]
     assert unsafe == []
 
 
 def test_no_pickle_anywhere_in_results_or_artifacts():
-    assert _calls(r"\bimport pickle\b|\bfrom pickle\b|cloudpickle|joblib\.dump|allow_pickle=True") == []
+    assert _calls(r"\bimport pickle\b|\bfrom pickle\b|cloudpickle|joblib\.dump|"
+                  r"allow_pickle=True") == []
     assert _calls(r"\.to_pickle\(|read_pickle\(") == []
 
 
@@ -63,7 +67,8 @@ def test_documented_servers_bind_to_loopback():
 
 def test_prefect_yaml_entrypoints_resolve_and_parameters_validate():
     spec = yaml.safe_load((ROOT / "prefect.yaml").read_text())
-    flows_by_entry = {"flows/pipeline.py:pipeline_flow": pipeline_flow, "flows/pipeline.py:stage_flow": stage_flow}
+    flows_by_entry = {"flows/pipeline.py:pipeline_flow": pipeline_flow,
+                      "flows/pipeline.py:stage_flow": stage_flow}
     for dep in spec["deployments"]:
         flow = flows_by_entry[dep["entrypoint"]]
         schema = flow.parameters.model_dump()
