@@ -156,6 +156,9 @@ class PipelineTracking:
         for path in paths:
             self.tracker.log_artifact(self.parent, path, folder)
 
+    def publish_metrics(self, metrics: dict[str, float]) -> None:
+        self.tracker.log_metrics(self.parent, metrics)
+
     def _note_on_parent(self, manifest: StageManifest, status: str) -> None:
         self.tracker.set_tags(self.parent, {f"stage.{manifest.stage}": status})
         self.tracker.log_metrics(self.parent, numeric_items(manifest.counts, f"{manifest.stage}."))

@@ -1,45 +1,28 @@
-"""Document classification on top of a backbone: pooling, the classifier, its training.
+"""A classifier on top of an encoder: pooling, the head, and how windows enter the encoder.
 
 A classifier is backbone + pooling + dropout + one Dense layer to class
-logits. Three training modes share that architecture and budget:
-
-- ``probe``: the pretrained backbone is frozen (``trainable = False`` and run in
-  inference mode, so its features are fixed); only the head learns.
-- ``full``: everything learns; backbone variables use
-  ``cfg.encoder_learning_rate`` and the head ``cfg.head_learning_rate``.
-- ``scratch``: the same architecture with freshly initialised backbone weights
-  (the random-init baseline). No pretrained features to protect, so every
-  variable uses ``cfg.head_learning_rate``.
-
-Model selection: after every epoch the classifier predicts the validation
-split, the weights with the best validation macro-F1 are kept, and training
-stops after ``cfg.patience`` epochs without improvement. Test data is never
-an input here: `eval_sets` are token ids only, predicted once, after selection.
+logits; how it is trained (the fair protocol, staged unfreezing) lives in
+`finetuning`, the frozen-feature probe in `features`. An encoder pretrained
+causally (clm) reads its windows framed [BOS] ... [EOS], as it saw them in
+pretraining, and is never pooled at [CLS]: under a causal mask position 0
+has attended to itself only.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import logging
-import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import Literal
+from collections.abc import Sequence
 
 import keras
 import numpy as np
 from keras import ops
 
-from selfsup_model.config import FinetuneConfig
 from selfsup_model.errors import UserError
-from selfsup_model.metrics import accuracy, macro_f1
+from selfsup_model.layers import TransformerEncoderBlock
 from selfsup_model.saving import serializable
 from selfsup_model.specials import PAD_ID
+from selfsup_model.windows import causal_framing
 
-Mode = Literal["probe", "full", "scratch"]
-MODES: tuple[str, ...] = ("probe", "full", "scratch")
-POOLINGS: tuple[str, ...] = ("mean", "cls")
-
-log = logging.getLogger("selfsup.classify")
+POOLINGS: tuple[str, ...] = ("mean", "cls", "last")
 
 
 @serializable
@@ -77,149 +60,95 @@ class ClsPooling(keras.layers.Layer):
 
 
 @serializable
-class TwoRateAdam(keras.optimizers.Adam):
-    """Adam whose step is scaled by `scale` for the variables named in `scaled_paths`.
+class LastTokenPooling(keras.layers.Layer):
+    """The state at each row's last real position: under a causal mask, the one that has seen
+    the whole document. Windows are right-padded, so it sits at (number of real tokens - 1)."""
 
-    Used for full fine-tuning: learning_rate is the head's, and the encoder's
-    variables get learning_rate * scale. Scaling the step (not the gradient)
-    matters: Adam normalises gradient magnitude away. Works on every backend,
-    because it only overrides the per-variable `update_step`.
-    """
+    def call(self, states, ids):
+        count = ops.sum(ops.cast(ops.not_equal(ids, PAD_ID), "int32"), axis=1)  # (B,)
+        last = ops.maximum(count - 1, 0)[:, None, None]  # (B, 1, 1)
+        return ops.take_along_axis(states, ops.cast(last, "int32"), axis=1)[:, 0, :]  # (B, H)
 
-    def __init__(self, scaled_paths: Sequence[str] = (), scale: float = 1.0, **kwargs):
-        super().__init__(**kwargs)
-        self.scaled_paths = tuple(scaled_paths)
-        self.scale = float(scale)
-
-    def build(self, var_list):
-        wanted = set(self.scaled_paths)
-        matched = [v.path for v in var_list if v.path in wanted]
-        if len(matched) != len(wanted) or len(set(matched)) != len(matched):
-            # Silently training the encoder at the head's rate would be a wrong experiment.
-            raise UserError(
-                "TwoRateAdam: the scaled variable paths do not match the model's variables "
-                f"one-to-one ({len(matched)} matches for {len(wanted)} paths)"
-            )
-        self._step_scales = [self.scale if v.path in wanted else 1.0 for v in var_list]
-        super().build(var_list)
-
-    def update_step(self, gradient, variable, learning_rate):
-        scale = self._step_scales[self._get_variable_index(variable)]
-        super().update_step(gradient, variable, learning_rate * scale)
-
-    def get_config(self):
-        return {**super().get_config(), "scaled_paths": list(self.scaled_paths),
-                "scale": self.scale}
+    def compute_output_shape(self, states_shape, ids_shape):
+        return (states_shape[0], states_shape[-1])
 
 
-def build_classifier(
-    backbone: keras.Model, num_classes: int, pooling: str = "mean", dropout: float = 0.1
-) -> keras.Model:
+def is_causal(backbone: keras.Model) -> bool:
+    """Whether the encoder's blocks attend causally (pretrained with the clm objective)."""
+    return any(getattr(layer, "causal", False) for layer in backbone.layers
+               if isinstance(layer, TransformerEncoderBlock))
+
+
+def encoder_inputs(backbone: keras.Model, windows: np.ndarray) -> np.ndarray:
+    """Framed windows as this encoder expects them: [BOS] ... [EOS] for a causal encoder."""
+    windows = np.asarray(windows, dtype=np.int32)
+    return causal_framing(windows) if is_causal(backbone) else windows
+
+
+def build_pooling(pooling: str, backbone: keras.Model) -> keras.layers.Layer:
+    if pooling not in POOLINGS:
+        raise UserError(f"unknown pooling {pooling!r}; choose one of {', '.join(POOLINGS)}")
+    if pooling == "cls" and is_causal(backbone):
+        raise UserError("finetune.pooling=cls reads position 0, which a causal (clm) encoder lets "
+                        "attend only to itself; use mean or last")
+    layer = {"mean": MaskedMeanPooling, "cls": ClsPooling, "last": LastTokenPooling}[pooling]
+    return layer(name="pool")
+
+
+def with_encoder_dropout(backbone: keras.Model, rate: float, keep_weights: bool = True
+                         ) -> keras.Model:
+    """The same encoder rebuilt with every dropout rate set to `rate` (fine-tuning's rate, which
+    need not be pretraining's), carrying over its weights unless `keep_weights` is False (a
+    fresh random initialisation: the random-init baseline)."""
+    rate = float(rate)
+
+    def clone(layer):
+        config = layer.get_config()
+        if isinstance(layer, keras.layers.Dropout):
+            config["rate"] = rate
+        elif isinstance(layer, TransformerEncoderBlock):
+            config["dropout"] = rate
+        return layer.__class__.from_config(config)
+
+    clone_model = keras.models.clone_model(backbone, clone_function=clone)
+    if keep_weights:
+        clone_model.set_weights(backbone.get_weights())
+    return clone_model
+
+
+def build_classifier(backbone: keras.Model, num_classes: int, pooling: str = "mean",
+                     dropout: float = 0.1) -> keras.Model:
     """int32 ids (B, L) -> class logits (B, num_classes), with a new, randomly initialised head."""
     if num_classes < 2:
         raise UserError(f"a classifier needs at least 2 classes (got {num_classes})")
-    if pooling not in POOLINGS:
-        raise UserError(f"unknown pooling {pooling!r}; choose one of {', '.join(POOLINGS)}")
+    pool = build_pooling(pooling, backbone)
     ids = keras.Input(shape=backbone.input_shape[1:], dtype="int32", name="token_ids")
-    # A frozen backbone also runs in inference mode (no dropout): a probe reads fixed features.
-    states = backbone(ids) if backbone.trainable else backbone(ids, training=False)  # (B, L, H)
-    pool = MaskedMeanPooling(name="pool") if pooling == "mean" else ClsPooling(name="pool")
-    pooled = pool(states, ids)  # (B, H)
+    pooled = pool(backbone(ids), ids)  # (B, L, H) -> (B, H)
     pooled = keras.layers.Dropout(dropout, name="head_dropout")(pooled)
     logits = keras.layers.Dense(num_classes, name="head_logits")(pooled)  # (B, C)
     return keras.Model(ids, logits, name="classifier")
 
 
-@dataclasses.dataclass(frozen=True)
-class ClassifierResult:
-    model: keras.Model  # restored to the best validation epoch
-    mode: str
-    val_macro_f1: float  # of the returned model
-    best_epoch: int  # 1-based
-    epochs_run: int
-    train_time_s: float
-    history: list[dict]  # per epoch: epoch, loss, val_macro_f1, val_accuracy
-    val_predictions: np.ndarray  # (n_val,) class ids
-    predictions: dict[str, np.ndarray]  # eval-set name -> (n,) class ids
-
-
-def train_classifier(
-    backbone_factory: Callable[[], keras.Model],
-    train: tuple[np.ndarray, np.ndarray],
-    val: tuple[np.ndarray, np.ndarray],
-    num_classes: int,
-    mode: Mode,
-    cfg: FinetuneConfig,
-    seed: int,
-    eval_sets: Mapping[str, np.ndarray] | None = None,
-) -> ClassifierResult:
-    """Train a classifier in `mode`; select on validation macro-F1; predict `eval_sets`.
-
-    `backbone_factory()` must return a fresh pretrained backbone (e.g. load
-    `encoder.keras`) each call: full fine-tuning changes its weights. For
-    ``scratch`` only its architecture is used. `train`/`val` are (ids (N, L)
-    int32, class ids (N,)); `eval_sets` maps a name to ids (N, L) only.
-    """
-    if mode not in MODES:
-        raise UserError(f"unknown fine-tuning mode {mode!r}; choose one of {', '.join(MODES)}")
-    train_ids, train_y = _check_split("train", train, num_classes)
-    val_ids, val_y = _check_split("val", val, num_classes)
-    if len(np.unique(train_y)) < 2:
-        raise UserError("the training subset holds a single label; classification needs at least 2")
-    keras.utils.set_random_seed(seed)
-    backbone = _prepare_backbone(backbone_factory(), mode)
-    for name, ids in (("train", train_ids), ("val", val_ids), *(eval_sets or {}).items()):
-        _check_length(name, ids, backbone)
-    model = build_classifier(backbone, num_classes, cfg.pooling, cfg.dropout)
-    model.compile(
-        optimizer=_optimizer(backbone, mode, cfg),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-    )
-    start = time.perf_counter()
-    history, best_epoch = _fit_with_selection(model, train_ids, train_y, val_ids, val_y, cfg, seed)
-    train_time = time.perf_counter() - start
-    val_pred = predict_classes(model, val_ids, cfg.batch_size)
-    return ClassifierResult(
-        model=model,
-        mode=mode,
-        val_macro_f1=macro_f1(val_y, val_pred),
-        best_epoch=best_epoch,
-        epochs_run=len(history),
-        train_time_s=train_time,
-        history=history,
-        val_predictions=val_pred,
-        predictions={name: predict_classes(model, ids, cfg.batch_size)
-                     for name, ids in (eval_sets or {}).items()},
-    )
-
-
-def predict_classes(model: keras.Model, ids: np.ndarray, batch_size: int = 64) -> np.ndarray:
-    """Arg-max class ids (N,) for token ids (N, L)."""
-    ids = np.asarray(ids, dtype=np.int32)
-    out = [np.zeros((0,), dtype=np.int64)]
+def predict_in_batches(model: keras.Model, ids: np.ndarray, batch_size: int = 256) -> np.ndarray:
+    """Model outputs for int32 ids (N, L) in inference mode; every call has one input shape."""
+    ids = np.asarray(ids)
+    out = []
     for start in range(0, len(ids), batch_size):
-        batch = ids[start : start + batch_size]  # (b, L)
+        batch = ids[start : start + batch_size]
         real = len(batch)
         if real < batch_size:
-            # Fill with all-PAD rows (dropped below) so every call has one shape:
-            # one compiled function, no retrace for the last batch.
-            filler = np.full((batch_size - real, ids.shape[1]), PAD_ID, dtype=np.int32)
+            # Zero filler rows (all [PAD]; dropped below): no retrace for the last batch.
+            filler = np.zeros((batch_size - real, *ids.shape[1:]), ids.dtype)
             batch = np.concatenate([batch, filler])
-        # predict_on_batch skips predict()'s per-call dataset setup, which dominates
-        # when validation runs after every epoch.
-        logits = np.asarray(model.predict_on_batch(batch))[:real]  # (b, C)
-        out.append(np.argmax(logits, axis=-1).astype(np.int64))
+        out.append(np.asarray(model.predict_on_batch(batch))[:real])
+    if not out:
+        return np.zeros((0, *model.output_shape[1:]), dtype=np.float32)
     return np.concatenate(out)
 
 
-def class_ids(labels: Sequence[str], classes: Sequence[str]) -> np.ndarray:
-    """Map string labels to their index in `classes` (N,); unknown labels are an error."""
-    index = {c: i for i, c in enumerate(classes)}
-    unknown = sorted({str(label) for label in labels if label not in index})
-    if unknown:
-        raise UserError(f"labels {unknown[:5]} are not in the training label set "
-                        f"{list(classes)[:10]}")
-    return np.fromiter((index[label] for label in labels), dtype=np.int64, count=len(labels))
+def predict_classes(model: keras.Model, ids: np.ndarray, batch_size: int = 256) -> np.ndarray:
+    """Arg-max class ids (N,) for token ids (N, L)."""
+    return np.argmax(predict_in_batches(model, ids, batch_size), axis=-1).astype(np.int64)
 
 
 def stratified_subset(labels: Sequence, fraction: float, seed: int) -> np.ndarray:
@@ -254,23 +183,7 @@ def stratified_subset(labels: Sequence, fraction: float, seed: int) -> np.ndarra
     return np.sort(np.concatenate(chosen))
 
 
-# ---------------------------------------------------------------- internals
-
-
-def _check_split(name: str, split: tuple[np.ndarray, np.ndarray], num_classes: int):
-    ids, y = np.asarray(split[0]), np.asarray(split[1])
-    if ids.ndim != 2 or len(ids) == 0:
-        raise UserError(f"{name} ids must be a non-empty (n_docs, max_len) array "
-                        f"(got shape {ids.shape})")
-    if len(y) != len(ids):
-        raise UserError(f"{name} has {len(ids)} sequences but {len(y)} labels")
-    if not np.issubdtype(y.dtype, np.integer) or y.min() < 0 or y.max() >= num_classes:
-        raise UserError(f"{name} labels must be class ids in [0, {num_classes}); "
-                        "map strings with class_ids()")
-    return ids.astype(np.int32), y.astype(np.int64)
-
-
-def _check_length(name: str, ids: np.ndarray, backbone: keras.Model) -> None:
+def check_encoder_length(name: str, ids: np.ndarray, backbone: keras.Model) -> None:
     fixed = backbone.input_shape[1]
     # A variable-length encoder still has a last learned position (its position
     # embedding's `max_len`); past it a lookup fails on CPU and reads zeros on GPU.
@@ -284,51 +197,3 @@ def _check_length(name: str, ids: np.ndarray, backbone: keras.Model) -> None:
             f"{name} ids have shape {ids.shape} but the encoder expects (n, {expected}); "
             "encode with the same max_len as pretraining"
         )
-
-
-def _prepare_backbone(backbone: keras.Model, mode: str) -> keras.Model:
-    if mode == "scratch":
-        # Same architecture from config, new layers, fresh random weights.
-        backbone = keras.models.clone_model(backbone)
-    backbone.trainable = mode != "probe"
-    return backbone
-
-
-def _optimizer(backbone: keras.Model, mode: str, cfg: FinetuneConfig) -> keras.optimizers.Optimizer:
-    if mode != "full":
-        return keras.optimizers.Adam(learning_rate=cfg.head_learning_rate)
-    return TwoRateAdam(
-        learning_rate=cfg.head_learning_rate,
-        scaled_paths=[v.path for v in backbone.trainable_variables],
-        scale=cfg.encoder_learning_rate / cfg.head_learning_rate,
-    )
-
-
-def _fit_with_selection(model, train_ids, train_y, val_ids, val_y, cfg: FinetuneConfig, seed: int):
-    """Epoch loop with validation macro-F1 selection; leaves the best weights in `model`."""
-    rng = np.random.default_rng(seed)
-    history: list[dict] = []
-    best_f1, best_epoch, best_weights = -1.0, 0, None
-    for epoch in range(1, cfg.epochs + 1):
-        # Our own seeded shuffle: identical batches on every backend and every rerun.
-        order = rng.permutation(len(train_y))
-        fit = model.fit(
-            train_ids[order], train_y[order], batch_size=cfg.batch_size, epochs=1, shuffle=False,
-            verbose=0
-        )
-        val_pred = predict_classes(model, val_ids, cfg.batch_size)
-        f1 = macro_f1(val_y, val_pred)
-        history.append({
-            "epoch": epoch,
-            "loss": float(fit.history["loss"][-1]),
-            "val_macro_f1": f1,
-            "val_accuracy": accuracy(val_y, val_pred),
-        })
-        log.info("epoch %d/%d: loss %.4f, val macro-F1 %.4f", epoch, cfg.epochs,
-                 history[-1]["loss"], f1)
-        if f1 > best_f1:  # strict: on a tie the earlier (cheaper) epoch stays
-            best_f1, best_epoch, best_weights = f1, epoch, model.get_weights()
-        elif epoch - best_epoch >= cfg.patience:
-            break
-    model.set_weights(best_weights)
-    return history, best_epoch

@@ -151,6 +151,7 @@ class PretrainConfig(_Section):
                                    description="Budget in input tokens; overrides steps.")
     learning_rate: float = Field(5e-4, gt=0.0)
     warmup_steps: int = Field(100, ge=0)
+    decay: Literal["cosine", "linear"] = "cosine"
     weight_decay: float = Field(0.01, ge=0.0)
     clip_norm: float = Field(1.0, gt=0.0)
     log_every: int = Field(50, ge=1)
@@ -160,6 +161,9 @@ class PretrainConfig(_Section):
     mixed_precision: Literal["auto", "off", "bf16"] = "auto"
     jit: Literal["auto", "on", "off"] = "auto"
     seed: int = 42
+    init_from: str | None = Field(
+        None, description="Continue pretraining from another selfsup run: its workdir or its "
+                          "pretrain/encoder.keras. Its tokenizer is reused, not refitted.")
 
 
 class FinetuneConfig(_Section):
@@ -167,21 +171,54 @@ class FinetuneConfig(_Section):
     max_len: int | None = Field(
         None, ge=4, description="Classify on each document's first max_len tokens "
                                 "(None: the whole first window).")
-    modes: tuple[Literal["probe", "full"], ...] = ("probe", "full")
-    pooling: Literal["mean", "cls"] = "mean"
-    epochs: int = Field(8, ge=1)
+    modes: tuple[Literal["probe", "full", "staged"], ...] = ("probe", "full", "staged")
+    pooling: Literal["mean", "cls", "last"] = Field(
+        "mean", description="mean: over real tokens; cls: the first state (bidirectional "
+                            "encoders only); last: the last real token's state.")
+    # The fair protocol: every neural method (pretrained full/staged, random_init, bag of
+    # embeddings) searches the same grid with the same update budget and early stopping.
+    learning_rates: tuple[float, ...] = Field(
+        (3e-4, 1e-3), description="Peak learning rates every neural method tries; the best on "
+                                  "validation macro-F1 is kept.")
     batch_size: int = Field(32, ge=1)
-    head_learning_rate: float = Field(2e-3, gt=0.0)
-    encoder_learning_rate: float = Field(3e-4, gt=0.0)
-    dropout: float = Field(0.1, ge=0.0, lt=1.0)
-    patience: int = Field(2, ge=1)
-    seed: int = 3
+    epochs: int = Field(4, ge=1, description="Passes over the training subset ...")
+    min_updates: int = Field(200, ge=1, description="... but at least this many updates ...")
+    max_updates: int = Field(2000, ge=1, description="... and at most this many.")
+    warmup_fraction: float = Field(0.1, ge=0.0, lt=1.0)
+    evals: int = Field(8, ge=1, description="Validation checks per training stage.")
+    patience: int = Field(3, ge=1, description="Checks without improvement before stopping.")
+    weight_decay: float = Field(0.01, ge=0.0)
+    dropout: float = Field(0.1, ge=0.0, lt=1.0, description="Dropout before the head.")
+    encoder_dropout: float = Field(
+        0.1, ge=0.0, lt=1.0, description="Dropout inside the encoder while it fine-tunes "
+                                         "(pretrained and random_init alike).")
+    staged_top_blocks: int = Field(1, ge=1, description="Blocks the second staged stage unfreezes.")
+    staged_final_lr_scale: float = Field(0.3, gt=0.0, le=1.0,
+                                         description="The last staged stage's rate, relative.")
+    probe_c: tuple[float, ...] = Field((0.01, 0.1, 1.0, 10.0),
+                                       description="C grid of the frozen-feature linear probe.")
+    eval_batch_size: int = Field(256, ge=1)
+    subset_seed: int = Field(3, description="Seed of the label subsets every method shares.")
+    seeds: tuple[int, ...] = Field((0,), description="Training seeds each neural method repeats.")
+    repeat_seeds_up_to: float = Field(
+        1.0, gt=0.0, le=1.0, description="Label fractions above this train with the first seed "
+                                         "only.")
 
     @model_validator(mode="after")
     def _check(self) -> FinetuneConfig:
         if not self.fractions or any(not (0.0 < f <= 1.0) for f in self.fractions):
             raise ValueError("finetune.fractions must be non-empty values in (0, 1]")
+        if not self.learning_rates or min(self.learning_rates) <= 0:
+            raise ValueError("finetune.learning_rates must be non-empty positive values")
+        if not self.seeds or not self.probe_c or min(self.probe_c) <= 0:
+            raise ValueError("finetune.seeds and finetune.probe_c (positive) must be non-empty")
+        if self.min_updates > self.max_updates:
+            raise ValueError("finetune.min_updates must not exceed finetune.max_updates")
         return self
+
+    def seeds_at(self, fraction: float) -> tuple[int, ...]:
+        """Training seeds at one label fraction."""
+        return self.seeds if fraction <= self.repeat_seeds_up_to else self.seeds[:1]
 
 
 class BaselineConfig(_Section):
@@ -191,8 +228,6 @@ class BaselineConfig(_Section):
     majority: bool = True
     bag_of_embeddings: bool = True
     bag_dim: int = Field(64, ge=1)
-    bag_learning_rate: float = Field(
-        1e-2, gt=0.0, description="A bag of embeddings learns slowly at the head's rate.")
     sentence_embeddings: Literal["auto", "on", "off"] = Field(
         "auto",
         description="auto: run when the `embeddings` extra is installed; on: fail without it.")

@@ -28,7 +28,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         "model": {"hidden": 16, "layers": 1, "heads": 2, "ff": 32, "dropout": 0.0},
         "pretrain": {"batch_size": 8, "steps": 12, "warmup_steps": 2, "log_every": 4,
                       "eval_every": 6, "checkpoint_every": 6},
-        "finetune": {"fractions": [0.5, 1.0], "epochs": 2, "batch_size": 16, "patience": 1},
+        "finetune": {"fractions": [0.5, 1.0], "epochs": 2, "batch_size": 16, "min_updates": 4,
+                     "max_updates": 12, "evals": 2, "patience": 1, "learning_rates": [1e-3],
+                     "probe_c": [1.0], "eval_batch_size": 64},
         "baseline": {"tfidf_c": [1.0], "tfidf_ngram_max": [1], "bag_dim": 16, "sentence_c": [1.0]},
         "compare": {"bootstrap": 50},
     },
@@ -40,7 +42,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "model": {"hidden": 128, "layers": 2, "heads": 4, "ff": 512},
         "pretrain": {"batch_size": 32, "steps": 1500, "learning_rate": 1e-3, "warmup_steps": 100,
                       "log_every": 50, "eval_every": 250, "checkpoint_every": 250, "jit": "on"},
-        "finetune": {"epochs": 3, "batch_size": 64, "max_len": 64},
+        "finetune": {"max_len": 64, "learning_rates": [3e-4, 1e-3], "epochs": 3, "min_updates": 150,
+                     "max_updates": 600, "seeds": [0, 1, 2], "repeat_seeds_up_to": 0.05},
         # Embedding ~13k docstrings with MiniLM costs ~4 minutes on 2 cores: opt in with
         # --set baseline.sentence_embeddings=auto (or on) when the `embeddings` extra is installed.
         "baseline": {"sentence_embeddings": "off", "tfidf_c": [1.0, 10.0]},
@@ -53,7 +56,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "model": {"hidden": 512, "layers": 8, "heads": 8, "ff": 2048},
         "pretrain": {"batch_size": 128, "steps": 20000, "warmup_steps": 1000,
                       "eval_every": 1000, "checkpoint_every": 1000},
-        "finetune": {"epochs": 10},
+        "finetune": {"epochs": 10, "max_updates": 5000},
     },
 }
 

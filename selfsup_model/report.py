@@ -21,11 +21,14 @@ import numpy as np
 import pandas as pd
 
 from selfsup_model.artifacts import atomic_write_json, atomic_write_text
+from selfsup_model.effects import effect_sentence
 from selfsup_model.errors import UserError
 from selfsup_model.metrics import accuracy, bootstrap_ci, macro_f1
 from selfsup_model.plots import plot_confusion, plot_fraction_curves
 
 PREDICTION_COLUMNS = ("id", "method", "fraction", "label", "prediction")
+# Every training seed's test predictions, for the spread over seeds.
+SEED_COLUMNS = ("id", "method", "fraction", "seed", "label", "prediction")
 REQUIRED_RESULT_KEYS = ("method", "fraction", "test_accuracy", "test_macro_f1")
 CURVE_PLOT = "macro_f1_vs_fraction.png"
 CONFUSION_PLOT = "confusion_best.png"
@@ -70,27 +73,34 @@ def winner_statements(results: Sequence[Mapping[str, Any]]) -> list[str]:
     return lines
 
 
-def render_markdown(results: Sequence[Mapping[str, Any]], context: Mapping[str, Any]) -> str:
+def render_markdown(results: Sequence[Mapping[str, Any]], context: Mapping[str, Any],
+                    effects: Sequence[Mapping[str, Any]] = ()) -> str:
     _check_results(results)
     head = ("| method | label fraction | test accuracy [95% CI] | test macro-F1 [95% CI] "
-            "| val macro-F1 | train time (s) | n_test |")
-    lines = ["# selfsup comparison", "", head, "|---|---:|---:|---:|---:|---:|---:|"]
+            "| over seeds | val macro-F1 | selected on val | train time (s) | n_test |")
+    lines = ["# selfsup comparison", "", head, "|---|---:|---:|---:|---:|---:|---|---:|---:|"]
     for r in sorted(results, key=lambda r: (float(r["fraction"]), str(r["method"]))):
         lines.append(
             f"| {r['method']} | {float(r['fraction']):g} "
             f"| {_with_ci(r['test_accuracy'], r.get('test_accuracy_ci'))} "
             f"| {_with_ci(r['test_macro_f1'], r.get('test_macro_f1_ci'))} "
-            f"| {_num(r.get('val_macro_f1'))} | {_num(r.get('train_time_s'), 1)} "
-            f"| {r.get('n_test', '—')} |"
+            f"| {_spread(r.get('test_macro_f1_seeds'))} "
+            f"| {_num(r.get('val_macro_f1'))} | {_plain(r.get('selected', '—'))} "
+            f"| {_num(r.get('train_time_s'), 1)} | {r.get('n_test', '—')} |"
         )
+    if effects:
+        lines += ["", "## What pretraining bought", ""]
+        lines += [f"- {effect_sentence(e)}" for e in effects]
     lines += ["", "## What the numbers say", ""]
     lines += [f"- {s}" for s in winner_statements(results)]
     lines += [
         "",
         (
             "Intervals are 95% percentile bootstrap intervals over test documents; they reflect "
-            "test-set sampling only, not variation between training seeds. Hyper-parameters and "
-            "epochs were selected on validation macro-F1 only."
+            "test-set sampling only. Where a method was trained with several seeds, \"over "
+            "seeds\" gives the mean ± standard deviation of its test macro-F1 across them, and "
+            "the row is the seed chosen on validation. Learning rates, seeds, C and stopping "
+            "points were selected on validation macro-F1 only."
         ),
         "",
         "## Context",
@@ -105,12 +115,14 @@ def write_report(
     results: Sequence[Mapping[str, Any]],
     context: Mapping[str, Any],
     predictions: pd.DataFrame | None = None,
+    effects: Sequence[Mapping[str, Any]] = (),
 ) -> list[str]:
     """Write report.md, report.json and the plots into out_dir; return the file names written."""
     _check_results(results)
     out_dir = Path(out_dir)
-    atomic_write_text(out_dir / "report.md", render_markdown(results, context))
+    atomic_write_text(out_dir / "report.md", render_markdown(results, context, effects))
     payload = {"results": [_json_safe(dict(r)) for r in results],
+               "pretraining_effect": [_json_safe(dict(e)) for e in effects],
                "context": _json_safe(dict(context))}
     atomic_write_json(out_dir / "report.json", payload)
     written = ["report.md", "report.json", CURVE_PLOT]
@@ -171,6 +183,12 @@ def _with_ci(value: Any, ci: Sequence[float] | None) -> str:
     if not ci:
         return _num(value)
     return f"{_num(value)} [{_num(ci[0])}, {_num(ci[1])}]"
+
+
+def _spread(spread: Mapping[str, float] | None) -> str:
+    if not spread:
+        return "—"
+    return f"{spread['mean']:.3f} ± {spread['sd']:.3f} ({spread['seeds']})"
 
 
 def _num(value: Any, digits: int = 3) -> str:

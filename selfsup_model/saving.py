@@ -22,7 +22,7 @@ PACKAGE = "selfsup"
 serializable = keras.saving.register_keras_serializable(package=PACKAGE)
 
 # Modules whose import registers the classes saved artifacts refer to.
-_REGISTERING_MODULES = ("layers", "losses", "model", "pretraining", "classify", "bag_of_embeddings")
+_REGISTERING_MODULES = ("layers", "losses", "model", "optimizers", "classify", "bag_of_embeddings")
 
 
 def load_keras_model(path: str | os.PathLike) -> keras.Model:

@@ -21,10 +21,12 @@ import pandas as pd
 
 from selfsup_model.artifacts import atomic_write_json, atomic_write_parquet
 from selfsup_model.baselines import logreg_on_features, majority_class, tfidf_logreg
-from selfsup_model.classify import ClassifierResult, stratified_subset, train_classifier
+from selfsup_model.classify import stratified_subset
 from selfsup_model.config import BaselineConfig, FinetuneConfig
+from selfsup_model.features import frozen_features
+from selfsup_model.finetuning import ClassifierResult, train_classifier, update_budget
 from selfsup_model.metrics import macro_f1
-from selfsup_model.report import PREDICTION_COLUMNS
+from selfsup_model.report import PREDICTION_COLUMNS, SEED_COLUMNS
 from selfsup_model.splitting import SPLITS
 from selfsup_model.windows import first_windows
 
@@ -42,6 +44,7 @@ class LabelledData:
     classes: list[str]  # sorted labels of the training split
     splits: dict[str, LabelledSplit]
     counts: dict[str, int]
+    window_len: int  # positions of encode's windows (classifiers may read fewer)
 
     def y(self, split: str) -> np.ndarray:
         """Class index per document (-1 for a label the training split never saw)."""
@@ -69,7 +72,7 @@ def load_labelled(encode_dir: Path, max_len: int | None = None) -> LabelledData 
         log.warning("classification skipped: the training split has %d label(s); need at least 2",
                     len(classes))
         return None
-    data = LabelledData(classes, splits, counts)
+    data = LabelledData(classes, splits, counts, int(windows.shape[1]))
     for split in ("val", "test"):
         unseen = int((data.y(split) < 0).sum())
         counts[f"{split}_unseen_label_docs"] = unseen
@@ -82,10 +85,12 @@ def load_labelled(encode_dir: Path, max_len: int | None = None) -> LabelledData 
 
 @dataclasses.dataclass
 class MethodResults:
-    """Test prediction rows (`report.PREDICTION_COLUMNS`) and one training summary per run."""
+    """Test prediction rows (`report.PREDICTION_COLUMNS`), one training summary per method and
+    fraction, and the test predictions of every training seed (`SEED_COLUMNS`)."""
 
     rows: list[tuple] = dataclasses.field(default_factory=list)
     summaries: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    seed_rows: list[tuple] = dataclasses.field(default_factory=list)
 
     def add(self, method: str, fraction: float, data: LabelledData, test_predictions: np.ndarray,
             summary: dict[str, Any]) -> None:
@@ -93,9 +98,16 @@ class MethodResults:
                                      data.classes)
         self.summaries.append({"method": method, "fraction": float(fraction), **summary})
 
+    def add_seed(self, method: str, fraction: float, seed: int, data: LabelledData,
+                 test_predictions: np.ndarray) -> None:
+        rows = prediction_rows(method, fraction, data.splits["test"], test_predictions,
+                               data.classes)
+        self.seed_rows += [(*row[:3], int(seed), *row[3:]) for row in rows]
+
     def extend(self, other: MethodResults) -> None:
         self.rows += other.rows
         self.summaries += other.summaries
+        self.seed_rows += other.seed_rows
 
 
 def prediction_rows(method: str, fraction: float, split: LabelledSplit, predicted: np.ndarray,
@@ -113,10 +125,20 @@ def result_key(method: str, fraction: float, metric: str) -> str:
     return f"{method}/fraction_{fraction:g}/{metric}"
 
 
+def summary_metrics(summaries: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """Validation macro-F1 and the selected settings of every (method, fraction), for MLflow."""
+    out = {}
+    for s in summaries:
+        out[result_key(s["method"], s["fraction"], "val_macro_f1")] = s["val_macro_f1"]
+        for name, value in {**s.get("params", {}), **s.get("selected", {})}.items():
+            out[result_key(s["method"], s["fraction"], f"selected_{name}")] = float(value)
+    return out
+
+
 def label_subsets(data: LabelledData, cfg: FinetuneConfig) -> Iterator[tuple[float, np.ndarray]]:
     """(fraction, training-document indices): the identical subsets every method trains on."""
     for fraction in cfg.fractions:
-        yield fraction, stratified_subset(data.splits["train"].labels, fraction, cfg.seed)
+        yield fraction, stratified_subset(data.splits["train"].labels, fraction, cfg.subset_seed)
 
 
 # ---------------------------------------------------------------- neural methods
@@ -126,53 +148,79 @@ BackboneFactory = Callable[[], Any]
 
 @dataclasses.dataclass(frozen=True)
 class NeuralMethod:
-    """A backbone trained as a classifier: `mode` is probe, full or scratch (see `classify`)."""
+    """A backbone trained as a classifier; `mode` is full, staged or scratch (see `finetuning`)."""
 
     name: str
     mode: str
     factory: BackboneFactory
-    cfg: FinetuneConfig
 
 
 def train_neural_methods(data: LabelledData, methods: Sequence[NeuralMethod], cfg: FinetuneConfig,
-                         by_method: bool = False) -> tuple[MethodResults, ClassifierResult | None]:
-    """Train each method at each label fraction; return the results and the last classifier trained.
+                         ) -> tuple[MethodResults, dict[str, ClassifierResult]]:
+    """Every method at every label fraction under one protocol (see `finetuning`): for each
+    training seed, each learning rate of the grid; the rate, then the seed, chosen on validation.
 
-    Loops run fraction-major (every method at 5%, then every method at 25% …), or
-    method-major with `by_method`; either way each run sees the same subset.
+    Returns the results and, per method, its selected classifier at the largest fraction.
     """
-    runs = [(m, f, s) for m in methods for f, s in label_subsets(data, cfg)] if by_method else \
-        [(m, f, s) for f, s in label_subsets(data, cfg) for m in methods]
     train, y_train, y_val = data.splits["train"], data.y("train"), data.y("val")
     val_known = y_val >= 0  # selection can only score labels the model can predict
     val = (data.splits["val"].windows[val_known], y_val[val_known])
-    out, last = MethodResults(), None
-    for method, fraction, subset in runs:
-        log.info("%s at label fraction %g: %d training documents", method.name, fraction,
-                 len(subset))
-        last = train_classifier(method.factory, (train.windows[subset], y_train[subset]), val,
-                                len(data.classes), method.mode, method.cfg, cfg.seed,
-                                eval_sets={"test": data.splits["test"].windows})
-        out.add(method.name, fraction, data, last.predictions["test"], {
-            "n_train": len(subset), "val_macro_f1": last.val_macro_f1,
-            "best_epoch": last.best_epoch,
-            "epochs_run": last.epochs_run, "train_time_s": round(last.train_time_s, 3)})
-    return out, last
+    test = {"test": data.splits["test"].windows}
+    out, kept = MethodResults(), {}
+    largest = max(cfg.fractions)
+    for fraction, subset in label_subsets(data, cfg):
+        for method in methods:
+            log.info("%s at label fraction %g: %d training documents", method.name, fraction,
+                     len(subset))
+            t0, grid, per_seed = time.perf_counter(), [], []
+            for seed in cfg.seeds_at(fraction):
+                best = None
+                for lr in cfg.learning_rates:
+                    res = train_classifier(method.factory, (train.windows[subset], y_train[subset]),
+                                           val, len(data.classes), method.mode, cfg, seed, lr, test)
+                    grid.append({"seed": seed, "learning_rate": lr,
+                                 "val_macro_f1": res.val_macro_f1, "updates_run": res.updates_run})
+                    if best is None or res.val_macro_f1 > best.val_macro_f1:
+                        best = res
+                per_seed.append((seed, best))
+                out.add_seed(method.name, fraction, seed, data, best.predictions["test"])
+            seed, chosen = max(per_seed, key=lambda pair: pair[1].val_macro_f1)  # first on ties
+            out.add(method.name, fraction, data, chosen.predictions["test"], {
+                "n_train": len(subset), "val_macro_f1": chosen.val_macro_f1,
+                "selected": {"learning_rate": chosen.learning_rate, "seed": seed},
+                "budget_updates": update_budget(len(subset), cfg),
+                "updates_run": chosen.updates_run,
+                "best_update": chosen.best_update, "grid": grid,
+                "train_time_s": round(time.perf_counter() - t0, 3),
+                **({"stages": chosen.stages} if method.mode == "staged" else {})})
+            if fraction == largest:
+                kept[method.name] = chosen
+    return out, kept
+
+
+def frozen_probe(name: str, data: LabelledData, backbone_factory: BackboneFactory,
+                 cfg: FinetuneConfig) -> MethodResults:
+    """Logistic regression on the frozen encoder's pooled features (computed once, inference
+    mode, standardised on each training subset), C tuned on validation."""
+    t0 = time.perf_counter()
+    backbone = backbone_factory()
+    features = {split: frozen_features(backbone, data.splits[split].windows, cfg.pooling,
+                                       cfg.eval_batch_size) for split in SPLITS}
+    return features_probe(name, data, features, cfg.probe_c, cfg, time.perf_counter() - t0,
+                          standardize=True)
 
 
 def scratch_baselines(vocab_size: int, max_len: int, random_init: BackboneFactory | None,
-                      baseline: BaselineConfig, finetune: FinetuneConfig) -> list[NeuralMethod]:
+                      baseline: BaselineConfig) -> list[NeuralMethod]:
     """random_init (the encoder's own architecture, fresh weights) and a bag of embeddings."""
     from selfsup_model.bag_of_embeddings import bag_of_embeddings_factory
 
     methods = []
     if baseline.random_init and random_init is not None:
-        methods.append(NeuralMethod("random_init", "scratch", random_init, finetune))
+        methods.append(NeuralMethod("random_init", "scratch", random_init))
     if baseline.bag_of_embeddings:
-        bag_cfg = finetune.model_copy(update={"head_learning_rate": baseline.bag_learning_rate})
-        methods.append(NeuralMethod(
-            "bag_of_embeddings", "scratch",
-            bag_of_embeddings_factory(vocab_size, max_len, baseline.bag_dim), bag_cfg))
+        bag = bag_of_embeddings_factory(vocab_size, max_len, baseline.bag_dim)
+        methods.append(NeuralMethod("bag_of_embeddings", "scratch", bag))
     return methods
 
 
@@ -204,29 +252,35 @@ def text_baselines(data: LabelledData, texts: pd.Series, baseline: BaselineConfi
 
 def features_probe(method: str, data: LabelledData, features: Mapping[str, np.ndarray],
                    c_grid: Sequence[float], finetune: FinetuneConfig,
-                   feature_time_s: float = 0.0) -> MethodResults:
+                   feature_time_s: float = 0.0, standardize: bool = False) -> MethodResults:
     """Logistic regression on fixed per-document features (split -> (n, d)), C tuned on validation.
 
     The features are computed once for all fractions; `feature_time_s`, their
-    cost, is added to every fraction's training time and shown beside it.
+    cost, is added to every fraction's training time and shown beside it. With
+    `standardize`, each feature is centred and scaled by its mean and standard
+    deviation over the training subset (never validation or test).
     """
     out = MethodResults()
     train, val = data.splits["train"], data.splits["val"]
     for fraction, subset in label_subsets(data, finetune):
-        res = logreg_on_features(features["train"][subset], train.labels[subset], features["val"],
-                                 val.labels, {"test": features["test"]}, c_grid)
+        x = {"train": features["train"][subset], "val": features["val"], "test": features["test"]}
+        if standardize:
+            mean, std = x["train"].mean(axis=0), x["train"].std(axis=0)
+            x = {split: (v - mean) / np.where(std > 0, std, 1.0) for split, v in x.items()}
+        res = logreg_on_features(x["train"], train.labels[subset], x["val"], val.labels,
+                                 {"test": x["test"]}, c_grid, what=method)
         out.add(method, fraction, data, np.asarray(res.predictions["test"], dtype=str), {
             "n_train": len(subset), "val_macro_f1": res.val_macro_f1, "params": res.params,
             "train_time_s": round(res.fit_time_s + feature_time_s, 3),
-            "embed_time_s": round(feature_time_s, 3)})
+            "feature_time_s": round(feature_time_s, 3)})
     return out
 
 
 def write_method_results(out_dir: Path, results: MethodResults, classes: Sequence[str] = (),
                          skipped: str | None = None,
                          unavailable: Mapping[str, str] | None = None) -> list[str]:
-    """`predictions.parquet` (test rows) and `results.json` (summaries) of a classification
-    stage."""
+    """`predictions.parquet` (test rows), `seed_predictions.parquet` (every training seed's test
+    rows) and `results.json` (summaries) of a classification stage."""
     if skipped is not None:
         log.warning("%s skipped: %s", out_dir.name, skipped)
     body: dict[str, Any] = ({"skipped": skipped} if skipped is not None
@@ -236,5 +290,7 @@ def write_method_results(out_dir: Path, results: MethodResults, classes: Sequenc
         body["unavailable"] = dict(unavailable)
     atomic_write_parquet(out_dir / "predictions.parquet",
                          pd.DataFrame(results.rows, columns=list(PREDICTION_COLUMNS)))
+    atomic_write_parquet(out_dir / "seed_predictions.parquet",
+                         pd.DataFrame(results.seed_rows, columns=list(SEED_COLUMNS)))
     atomic_write_json(out_dir / "results.json", body)
-    return ["predictions.parquet", "results.json"]
+    return ["predictions.parquet", "seed_predictions.parquet", "results.json"]

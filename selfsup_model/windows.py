@@ -13,6 +13,12 @@ import numpy as np
 from selfsup_model.specials import BOS_ID, CLS_ID, EOS_ID, PAD_ID, SEP_ID
 
 
+def causal_framing(windows: np.ndarray) -> np.ndarray:
+    """[CLS] ... [SEP] rows -> [BOS] ... [EOS] rows, the framing a causal encoder is trained on."""
+    x = np.asarray(windows, dtype=np.int32)
+    return np.where(x == CLS_ID, BOS_ID, np.where(x == SEP_ID, EOS_ID, x)).astype(np.int32)
+
+
 def causal_lm_batch(windows: np.ndarray) -> dict[str, np.ndarray]:
     """Next-token inputs/targets from framed windows (B, L): shifted here, exactly once.
 
@@ -24,7 +30,7 @@ def causal_lm_batch(windows: np.ndarray) -> dict[str, np.ndarray]:
     x = np.asarray(windows, dtype=np.int32)
     if x.ndim != 2 or x.shape[1] < 2:
         raise ValueError(f"windows must be (batch, length >= 2), got shape {x.shape}")
-    x = np.where(x == CLS_ID, BOS_ID, np.where(x == SEP_ID, EOS_ID, x)).astype(np.int32)
+    x = causal_framing(x)
     targets = x[:, 1:]
     return {
         "input_ids": np.ascontiguousarray(x[:, :-1]),  # (B, L-1)

@@ -18,8 +18,8 @@ from selfsup_model.transfer import (
     MethodResults,
     features_probe,
     load_labelled,
-    result_key,
     scratch_baselines,
+    summary_metrics,
     text_baselines,
     train_neural_methods,
     write_method_results,
@@ -67,15 +67,17 @@ def compute(ctx: RunContext, out: Path, inputs: dict[str, Path]) -> StageOutput:
              .set_index("id")["text"])
     results = text_baselines(data, texts, cfg.baseline, cfg.finetune)
     vocab = load_tokenizer(inputs["tokenizer/tokenizer.json"]).get_vocab_size()
-    max_len = data.splits["train"].windows.shape[1]
-    methods = scratch_baselines(vocab, max_len, lambda: build_backbone(vocab, max_len, cfg.model),
-                                cfg.baseline, cfg.finetune)
-    results.extend(train_neural_methods(data, methods, cfg.finetune, by_method=True)[0])
+    causal = cfg.pretrain.objective == "clm"  # exactly the pretrained architecture, causal too
+
+    def random_init():
+        return build_backbone(vocab, data.window_len, cfg.model, causal=causal)
+
+    methods = scratch_baselines(vocab, data.window_len, random_init, cfg.baseline)
+    results.extend(train_neural_methods(data, methods, cfg.finetune)[0])
     sentence, unavailable = sentence_baseline(data, texts, ctx)
     results.extend(sentence)
     files = write_method_results(out, results, classes=data.classes, unavailable=unavailable)
     return StageOutput(files, {**data.counts, "runs": len(results.summaries),
                                "unavailable_methods": len(unavailable)},
-                       {result_key(s["method"], s["fraction"], "val_macro_f1"): s["val_macro_f1"]
-                        for s in results.summaries})
+                       summary_metrics(results.summaries))
 

@@ -19,6 +19,7 @@ from selfsup_model.artifacts import (
     atomic_write_parquet,
     atomic_write_text,
 )
+from selfsup_model.effects import effect_sentence, pretraining_effects, seed_spread
 from selfsup_model.report import recompute_results, write_report
 from selfsup_model.transfer import result_key
 from tasks.stage import RunContext, StageOutput
@@ -71,13 +72,25 @@ def compute(ctx: RunContext, out: Path, inputs: dict[str, Path]) -> StageOutput:
         atomic_write_text(out / "report.md",
                           "# selfsup comparison\n\nSkipped: the corpus has no usable labels.\n")
         return StageOutput(["report.md"], {"skipped": 1, "results": 0})
-    results = recompute_results(predictions, ctx.config.compare.bootstrap, ctx.config.compare.seed)
+    cfg = ctx.config.compare
+    results = recompute_results(predictions, cfg.bootstrap, cfg.seed)
     trained = _training_summaries(inputs)
+    spread = seed_spread(pd.concat([pd.read_parquet(inputs[f"{stage}/seed_predictions.parquet"])
+                                    for stage in ("finetune", "baseline")], ignore_index=True))
     for r in results:
-        extra = trained.get((r["method"], r["fraction"]), {})
+        key = (r["method"], r["fraction"])
+        extra = trained.get(key, {})
         r.update({k: extra[k] for k in ("val_macro_f1", "train_time_s", "n_train") if k in extra})
+        if "selected" in extra or "params" in extra:  # neural: rate and seed; linear: C (n-grams)
+            r["selected"] = extra.get("selected", extra.get("params"))
+        if key in spread:
+            r["test_macro_f1_seeds"] = spread[key]
+    effects = pretraining_effects(results, predictions, cfg.bootstrap, cfg.seed)
+    for effect in effects:
+        log.info("%s", effect_sentence(effect))
     n_test = predictions.groupby(["method", "fraction"]).size().max()
-    files = write_report(out, results, report_context(ctx, inputs, int(n_test)), predictions)
+    files = write_report(out, results, report_context(ctx, inputs, int(n_test)), predictions,
+                         effects)
     files.append(atomic_write_parquet(out / "predictions.parquet", predictions).name)
     with atomic_path(out / "pretrain_loss_curve.png") as tmp:
         shutil.copyfile(inputs["pretrain/loss_curve.png"], tmp)
@@ -89,6 +102,11 @@ def compute(ctx: RunContext, out: Path, inputs: dict[str, Path]) -> StageOutput:
     metrics = {result_key(r["method"], r["fraction"], "test_macro_f1"): r["test_macro_f1"]
                for r in results}
     metrics["best_test_macro_f1"] = best["test_macro_f1"]
+    for e in effects:
+        name = f"pretrained_minus_{e['reference']}/fraction_{e['fraction']:g}/test_macro_f1"
+        metrics.update({name: e["test_macro_f1_difference"], f"{name}_ci_low": e["ci"][0],
+                        f"{name}_ci_high": e["ci"][1]})
+    ctx.publish_metrics(metrics)
     return StageOutput(files, counts, metrics,
                        log_artifacts=[f for f in files if not f.endswith(".parquet")])
 

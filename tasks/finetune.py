@@ -1,5 +1,5 @@
-"""finetune: the pretrained encoder + a new head, probe and full modes, at several label \
-fractions."""
+"""finetune: the pretrained encoder as a frozen-feature linear probe, fully fine-tuned and \
+with staged unfreezing, at several label fractions."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from selfsup_model.saving import load_keras_model
 from selfsup_model.transfer import (
     MethodResults,
     NeuralMethod,
+    frozen_probe,
     load_labelled,
-    result_key,
+    summary_metrics,
     train_neural_methods,
     write_method_results,
 )
@@ -27,16 +28,21 @@ def compute(ctx: RunContext, out: Path, inputs: dict[str, Path]) -> StageOutput:
                            {"skipped": 1, "runs": 0})
     encoder_path = inputs["pretrain/encoder.keras"]
 
-    def pretrained():  # a fresh copy per run: full fine-tuning changes the weights it is given
+    def pretrained():  # a fresh copy per run: fine-tuning changes the weights it is given
         return load_keras_model(encoder_path)  # safe_mode=True
 
-    methods = [NeuralMethod(f"pretrained_{mode}", mode, pretrained, cfg) for mode in cfg.modes]
-    results, last = train_neural_methods(data, methods, cfg)
+    results = frozen_probe("pretrained_probe", data, pretrained, cfg) if "probe" in cfg.modes \
+        else MethodResults()
+    methods = [NeuralMethod(f"pretrained_{mode}", mode, pretrained) for mode in cfg.modes
+               if mode != "probe"]
+    trained, kept = train_neural_methods(data, methods, cfg)
+    results.extend(trained)
     files = write_method_results(out, results, classes=data.classes)
-    # The classifier kept is the last one trained: the last configured mode at the largest fraction.
-    save_keras_atomic(last.model, out / "classifier.keras")
-    files.append("classifier.keras")
+    if kept:
+        # The fine-tuned classifier this stage hands over: the best on validation at the
+        # largest label fraction (the linear probe has no Keras model to hand over).
+        best = max(kept.values(), key=lambda result: result.val_macro_f1)
+        save_keras_atomic(best.model, out / "classifier.keras")
+        files.append("classifier.keras")
     return StageOutput(files, {**data.counts, "runs": len(results.summaries)},
-                       {result_key(s["method"], s["fraction"], "val_macro_f1"): s["val_macro_f1"]
-                        for s in results.summaries})
-
+                       summary_metrics(results.summaries))

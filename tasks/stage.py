@@ -59,6 +59,8 @@ class StageTracking(Protocol):
 
     def publish(self, paths: list[Path], folder: str) -> None: ...
 
+    def publish_metrics(self, metrics: dict[str, float]) -> None: ...
+
 
 @dataclasses.dataclass(frozen=True)
 class StageSpec:
@@ -99,6 +101,11 @@ class RunContext:
         """Attach files to the pipeline's tracked run (nothing happens when untracked)."""
         if self.tracking is not None:
             self.tracking.publish(paths, folder)
+
+    def publish_metrics(self, metrics: dict[str, float]) -> None:
+        """Log headline numbers on the pipeline's tracked run (nothing happens when untracked)."""
+        if self.tracking is not None:
+            self.tracking.publish_metrics(metrics)
 
     def stage_dir(self, stage: str) -> Path:
         return self.workdir / stage

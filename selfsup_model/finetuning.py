@@ -1,0 +1,233 @@
+"""Training a classifier under the fair protocol, the same for every neural method.
+
+Every run, whatever its method, gets:
+- a budget in optimizer updates: `epochs` passes over its training subset, but
+  never fewer than `min_updates` nor more than `max_updates`, so a 5% subset is
+  not starved of updates and a 100% subset is not given unbounded ones;
+- one peak learning rate for all trainable weights (the caller searches a grid),
+  reached by linear warmup over `warmup_fraction` of the updates, then linear
+  decay to zero;
+- validation macro-F1 every `budget.eval_every` updates, early stopping after
+  `patience` checks without improvement, and the best weights kept.
+
+Modes: ``full`` (a pretrained backbone, everything trains), ``scratch`` (the same
+architecture, freshly initialised: the random-init baseline) and ``staged``
+(gradual unfreezing: the head alone on frozen features, then the top blocks,
+then everything at a lower rate). A stage is kept only if it raised validation
+macro-F1 over the stages before it; otherwise its weights are discarded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping
+
+import keras
+import numpy as np
+
+from selfsup_model.classify import (
+    build_classifier,
+    check_encoder_length,
+    encoder_inputs,
+    predict_classes,
+    with_encoder_dropout,
+)
+from selfsup_model.config import FinetuneConfig
+from selfsup_model.errors import UserError
+from selfsup_model.features import feature_extractor, predict_in_batches
+from selfsup_model.metrics import macro_f1
+from selfsup_model.optimizers import SelectiveAdamW, WarmupDecay
+
+log = logging.getLogger("selfsup.finetuning")
+
+MODES = ("full", "scratch", "staged")
+
+
+def update_budget(n_train: int, cfg: FinetuneConfig) -> int:
+    """Optimizer updates of a whole run (all stages together): `epochs` passes over `n_train`
+    documents, clipped to [min_updates, max_updates]."""
+    per_epoch = math.ceil(n_train / cfg.batch_size)
+    return min(max(cfg.min_updates, cfg.epochs * per_epoch), cfg.max_updates)
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    name: str  # "all", or for staged: "head", "top", "all"
+    updates: int
+    learning_rate: float
+
+
+def plan_stages(mode: str, updates: int, learning_rate: float, cfg: FinetuneConfig) -> list[Stage]:
+    """One stage for full and scratch; head, top blocks, everything (at a lower rate) for staged,
+    each a third of the same budget."""
+    if mode != "staged":
+        return [Stage("all", updates, learning_rate)]
+    third = max(1, updates // 3)
+    return [Stage("head", third, learning_rate), Stage("top", third, learning_rate),
+            Stage("all", max(1, updates - 2 * third), learning_rate * cfg.staged_final_lr_scale)]
+
+
+@dataclasses.dataclass(frozen=True)
+class ClassifierResult:
+    model: keras.Model  # at its best validation check
+    mode: str
+    learning_rate: float
+    val_macro_f1: float  # of the returned model
+    updates_run: int  # optimizer updates actually applied (early stopping may cut the budget)
+    best_update: int  # the update count at the kept weights
+    train_time_s: float
+    history: list[dict]  # per validation check: stage, update, val_macro_f1
+    stages: list[dict]  # per stage: name, updates, learning_rate, best val macro-F1, kept
+    val_predictions: np.ndarray  # (n_val,) class ids
+    predictions: dict[str, np.ndarray]  # eval-set name -> (n,) class ids
+
+
+def train_classifier(backbone_factory: Callable[[], keras.Model],
+                     train: tuple[np.ndarray, np.ndarray], val: tuple[np.ndarray, np.ndarray],
+                     num_classes: int, mode: str, cfg: FinetuneConfig, seed: int,
+                     learning_rate: float,
+                     eval_sets: Mapping[str, np.ndarray] | None = None) -> ClassifierResult:
+    """Train one classifier in `mode` at one peak learning rate; select on validation only.
+
+    `backbone_factory()` returns a fresh backbone per call (full fine-tuning
+    changes the weights it is given; ``scratch`` re-initialises a clone).
+    `train`/`val` are (framed windows (N, L) int32, class ids (N,)); `eval_sets`
+    are windows only, predicted once with the selected weights.
+    """
+    if mode not in MODES:
+        raise UserError(f"unknown fine-tuning mode {mode!r}; choose one of {', '.join(MODES)}")
+    train_ids, train_y = _check_split("train", train, num_classes)
+    val_ids, val_y = _check_split("val", val, num_classes)
+    keras.utils.set_random_seed(seed)
+    # scratch: the same architecture (causal too) with freshly initialised weights.
+    backbone = with_encoder_dropout(backbone_factory(), cfg.encoder_dropout,
+                                    keep_weights=mode != "scratch")
+    for name, ids in (("train", train_ids), ("val", val_ids), *(eval_sets or {}).items()):
+        check_encoder_length(name, ids, backbone)
+    train_ids, val_ids = encoder_inputs(backbone, train_ids), encoder_inputs(backbone, val_ids)
+    model = build_classifier(backbone, num_classes, cfg.pooling, cfg.dropout)
+    run = _Run(model, backbone, (train_ids, train_y), (val_ids, val_y), cfg,
+               np.random.default_rng(seed))
+    start = time.perf_counter()
+    for stage in plan_stages(mode, update_budget(len(train_y), cfg), learning_rate, cfg):
+        run.train_stage(stage)
+    run.restore_best()
+    val_pred = run.predict(val_ids)
+    return ClassifierResult(
+        model=model, mode=mode, learning_rate=learning_rate,
+        val_macro_f1=macro_f1(val_y, val_pred), updates_run=run.updates,
+        best_update=run.best_update, train_time_s=time.perf_counter() - start,
+        history=run.history, stages=run.stages, val_predictions=val_pred,
+        predictions={name: run.predict(encoder_inputs(backbone, ids))
+                     for name, ids in (eval_sets or {}).items()})
+
+
+class _Run:
+    """The state of one classifier run across its stages: data order, best weights, records."""
+
+    def __init__(self, model, backbone, train, val, cfg: FinetuneConfig, rng: np.random.Generator):
+        self.model, self.backbone, self.cfg, self.rng = model, backbone, cfg, rng
+        (self.train_ids, self.train_y), (self.val_ids, self.val_y) = train, val
+        self.updates, self.best_update, self.best_f1 = 0, 0, -1.0
+        self.best_weights = None
+        self.history: list[dict] = []
+        self.stages: list[dict] = []
+
+    def predict(self, ids: np.ndarray) -> np.ndarray:
+        return predict_classes(self.model, ids, self.cfg.eval_batch_size)
+
+    def restore_best(self) -> None:
+        if self.best_weights is not None:
+            self.model.set_weights(self.best_weights)
+
+    def train_stage(self, stage: Stage) -> None:
+        before = self.best_f1
+        if stage.name == "head":
+            trainer, x_train, predict_val = self._head_on_frozen_features()
+        else:
+            self._set_trainable(stage.name)
+            trainer, x_train = self.model, self.train_ids
+
+            def predict_val() -> np.ndarray:
+                return self.predict(self.val_ids)
+        trainer.compile(optimizer=_optimizer(stage, self.cfg),
+                        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        order = self._batches(stage.updates)  # (updates, B) indices into the training subset
+        eval_every, waited, stage_best = max(1, math.ceil(stage.updates / self.cfg.evals)), 0, -1.0
+        for lo in range(0, stage.updates, eval_every):
+            idx = order[lo : lo + eval_every].reshape(-1)
+            trainer.fit(x_train[idx], self.train_y[idx], batch_size=self.cfg.batch_size, epochs=1,
+                        shuffle=False, verbose=0)
+            self.updates += len(idx) // self.cfg.batch_size
+            f1 = macro_f1(self.val_y, predict_val())
+            self.history.append({"stage": stage.name, "update": self.updates, "val_macro_f1": f1})
+            stage_best = max(stage_best, f1)
+            if f1 > self.best_f1:  # strict: a tie keeps the earlier, cheaper weights
+                self.best_f1, self.best_update = f1, self.updates
+                self.best_weights = self.model.get_weights()
+                waited = 0
+            else:
+                waited += 1
+                if waited >= self.cfg.patience:
+                    break
+        kept = self.best_f1 > before
+        if not kept:  # validation says this stage did not help: continue from the weights before it
+            self.restore_best()
+        self.stages.append({"stage": stage.name, "updates": stage.updates,
+                            "learning_rate": stage.learning_rate, "val_macro_f1": stage_best,
+                            "kept": kept})
+        log.info("stage %s: best val macro-F1 %.4f (%s)", stage.name, stage_best,
+                 "kept" if kept else "discarded")
+
+    def _batches(self, updates: int) -> np.ndarray:
+        """Seeded passes over the training subset, cut into `updates` rows of batch indices."""
+        size, n = self.cfg.batch_size, len(self.train_y)
+        passes = math.ceil(updates * size / n)
+        stream = np.concatenate([self.rng.permutation(n) for _ in range(passes)])
+        return stream[: updates * size].reshape(updates, size)
+
+    def _head_on_frozen_features(self):
+        """The classifier's own dropout + dense head, on features the frozen encoder gives once."""
+        extractor = feature_extractor(self.backbone, self.cfg.pooling)
+        features = predict_in_batches(extractor, self.train_ids, self.cfg.eval_batch_size)
+        val_features = predict_in_batches(extractor, self.val_ids, self.cfg.eval_batch_size)
+        pooled = keras.Input(shape=(features.shape[1],), name="pooled")
+        head = self.model.get_layer("head_logits")
+        logits = head(self.model.get_layer("head_dropout")(pooled))
+        head_model = keras.Model(pooled, logits, name="head_only")
+
+        return head_model, features, lambda: predict_classes(head_model, val_features,
+                                                             self.cfg.eval_batch_size)
+
+    def _set_trainable(self, stage: str) -> None:
+        self.backbone.trainable = True
+        if stage == "top":
+            blocks = [layer.name for layer in self.backbone.layers
+                      if layer.name.startswith("block_")]
+            top = set(blocks[-self.cfg.staged_top_blocks:]) | {"final_norm"}
+            for layer in self.backbone.layers:
+                layer.trainable = layer.name in top
+
+
+def _optimizer(stage: Stage, cfg: FinetuneConfig) -> keras.optimizers.Optimizer:
+    warmup = round(cfg.warmup_fraction * stage.updates)
+    schedule = WarmupDecay(stage.learning_rate, warmup, stage.updates, decay="linear")
+    return SelectiveAdamW(learning_rate=schedule, weight_decay=cfg.weight_decay,
+                          global_clipnorm=1.0)
+
+
+def _check_split(name: str, split: tuple[np.ndarray, np.ndarray], num_classes: int):
+    ids, y = np.asarray(split[0]), np.asarray(split[1])
+    if ids.ndim != 2 or len(ids) == 0:
+        raise UserError(f"{name} ids must be a non-empty (n_docs, max_len) array "
+                        f"(got shape {ids.shape})")
+    if len(y) != len(ids):
+        raise UserError(f"{name} has {len(ids)} sequences but {len(y)} labels")
+    if not np.issubdtype(y.dtype, np.integer) or y.min() < 0 or y.max() >= num_classes:
+        raise UserError(f"{name} labels must be class ids in [0, {num_classes})")
+    if name == "train" and len(np.unique(y)) < 2:
+        raise UserError("the training subset holds a single label; classification needs at least 2")
+    return ids.astype(np.int32), y.astype(np.int64)
