@@ -109,8 +109,8 @@ def train_classifier(backbone_factory: Callable[[], keras.Model],
         check_encoder_length(name, ids, backbone)
     train_ids, val_ids = encoder_inputs(backbone, train_ids), encoder_inputs(backbone, val_ids)
     model = build_classifier(backbone, num_classes, cfg.pooling, cfg.dropout)
-    run = _Run(model, backbone, (train_ids, train_y), (val_ids, val_y), cfg,
-               np.random.default_rng(seed))
+    run = ClassifierRun(model, backbone, (train_ids, train_y), (val_ids, val_y), cfg,
+                        np.random.default_rng(seed))
     start = time.perf_counter()
     for stage in plan_stages(mode, update_budget(len(train_y), cfg), learning_rate, cfg):
         run.train_stage(stage)
@@ -125,7 +125,7 @@ def train_classifier(backbone_factory: Callable[[], keras.Model],
                      for name, ids in (eval_sets or {}).items()})
 
 
-class _Run:
+class ClassifierRun:
     """The state of one classifier run across its stages: data order, best weights, records."""
 
     def __init__(self, model, backbone, train, val, cfg: FinetuneConfig, rng: np.random.Generator):

@@ -41,7 +41,8 @@ from selfsup_model.saving import load_keras_model
 
 
 def build_schedule(cfg: PretrainConfig, total_steps: int) -> WarmupDecay:
-    return WarmupDecay(cfg.learning_rate, min(cfg.warmup_steps, total_steps), total_steps)
+    return WarmupDecay(cfg.learning_rate, min(cfg.warmup_steps, total_steps), total_steps,
+                       decay=cfg.decay)
 
 
 def build_optimizer(cfg: PretrainConfig, total_steps: int) -> SelectiveAdamW:

@@ -11,9 +11,10 @@ from selfsup_model.bag_of_embeddings import (
     bag_of_embeddings_factory,
     build_bag_of_embeddings,
 )
-from selfsup_model.classify import build_classifier, predict_classes, train_classifier
+from selfsup_model.classify import build_classifier, predict_classes
 from selfsup_model.config import FinetuneConfig
 from selfsup_model.errors import UserError
+from selfsup_model.finetuning import train_classifier
 from selfsup_model.metrics import accuracy
 from selfsup_model.specials import CLS_ID, PAD_ID, SEP_ID
 from tests.model.toy import make_docs
@@ -25,11 +26,11 @@ VOCAB, MAX_LEN, DIM = 20, 8, 8
 def trained():
     """The bag-of-embeddings baseline trained through the shared classifier API."""
     (tr, tr_y), (va, va_y), (te, te_y) = make_docs(64, 0), make_docs(32, 1), make_docs(32, 2)
-    cfg = FinetuneConfig(epochs=4, batch_size=8, patience=2, dropout=0.0, head_learning_rate=0.05)
+    cfg = FinetuneConfig(epochs=4, batch_size=8, min_updates=8, max_updates=32, evals=4,
+                         patience=2, dropout=0.0)
     factory = bag_of_embeddings_factory(VOCAB, MAX_LEN, DIM)
-    result = train_classifier(
-        factory, (tr, tr_y), (va, va_y), 2, "scratch", cfg, seed=0, eval_sets={"test": te}
-    )
+    result = train_classifier(factory, (tr, tr_y), (va, va_y), 2, "scratch", cfg, seed=0,
+                              learning_rate=0.05, eval_sets={"test": te})
     return result, te, te_y
 
 
@@ -71,7 +72,8 @@ def test_bag_enforces_max_len_like_the_encoder():
     cfg = FinetuneConfig(epochs=1, batch_size=8)
     factory = bag_of_embeddings_factory(VOCAB, MAX_LEN, DIM)
     with pytest.raises(UserError, match="max_len"):
-        train_classifier(factory, (too_long, y), (ids, y), 2, "scratch", cfg, seed=0)
+        train_classifier(factory, (too_long, y), (ids, y), 2, "scratch", cfg, seed=0,
+                         learning_rate=1e-3)
 
 
 def test_bag_layer_registered_name_is_stable():

@@ -6,23 +6,22 @@ from hypothesis import strategies as st
 
 from selfsup_model.classify import (
     ClsPooling,
+    LastTokenPooling,
     MaskedMeanPooling,
-    TwoRateAdam,
     build_classifier,
-    class_ids,
-    predict_classes,
+    check_encoder_length,
+    encoder_inputs,
+    is_causal,
     stratified_subset,
-    train_classifier,
+    with_encoder_dropout,
 )
-from selfsup_model.config import FinetuneConfig, ModelConfig
+from selfsup_model.config import ModelConfig
 from selfsup_model.errors import UserError
-from selfsup_model.metrics import macro_f1
 from selfsup_model.model import build_backbone
-from selfsup_model.specials import CLS_ID, PAD_ID, SEP_ID
+from selfsup_model.specials import BOS_ID, CLS_ID, EOS_ID, PAD_ID, SEP_ID
 from tests.model.toy import make_docs
 
 VOCAB, MAX_LEN, HIDDEN = 20, 8, 8
-CFG = FinetuneConfig(epochs=2, batch_size=8, patience=1, dropout=0.0)
 
 
 def tiny_backbone() -> keras.Model:
@@ -38,10 +37,6 @@ def pretrained(tmp_path_factory):
     path = tmp_path_factory.mktemp("enc") / "encoder.keras"
     tiny_backbone().save(path)
     return lambda: keras.saving.load_model(path, safe_mode=True)
-
-
-def backbone_weights(model: keras.Model) -> list[np.ndarray]:
-    return [np.array(w) for w in model.get_layer("backbone").get_weights()]
 
 
 # ---------------------------------------------------------------- pooling
@@ -85,108 +80,50 @@ def test_cls_pooling_takes_position_zero():
     np.testing.assert_array_equal(np.asarray(ClsPooling()(states, ids)), [[0.0, 1.0, 2.0]])
 
 
-# ---------------------------------------------------------------- training modes
+# ---------------------------------------------------------------- causal encoders
 
 
-@pytest.fixture(scope="module")
-def probe_runs(pretrained):
-    """Two identical probe trainings that differ only in the unlabelled "test" set they predict."""
-    train, val = make_docs(32, 1), make_docs(16, 2)
-    fixed = make_docs(10, 9)[0]
-    # A brisk head rate: validation F1 moves between epochs (on TF), so selection matters.
-    cfg = FinetuneConfig(epochs=6, batch_size=8, patience=2, dropout=0.2, head_learning_rate=0.1)
-    runs = []
-    for test_seed in (5, 6):
-        test_ids = make_docs(12 + test_seed, test_seed)[0]
-        runs.append(train_classifier(pretrained, train, val, 2, "probe", cfg, seed=3,
-                                     eval_sets={"test": test_ids, "fixed": fixed}))
-    return runs, val, cfg
+def test_last_token_pooling_takes_each_rows_last_real_state():
+    states = np.arange(24, dtype=np.float32).reshape(2, 4, 3)
+    ids = np.array([[5, 9, 6, PAD_ID], [5, 9, 10, 6]], np.int32)
+    np.testing.assert_array_equal(np.asarray(LastTokenPooling()(states, ids)),
+                                  [states[0, 2], states[1, 3]])
 
 
-def test_probe_changes_no_backbone_weight(pretrained, probe_runs):
-    (result, _), _, _ = probe_runs
-    before = backbone_weights(build_classifier(pretrained(), 2))
-    after = backbone_weights(result.model)
-    assert len(after) == len(before) > 0
-    for b, a in zip(before, after):
+def test_a_causal_encoder_reads_bos_eos_and_is_never_pooled_at_position_zero():
+    causal = build_backbone(VOCAB, MAX_LEN, ModelConfig(hidden=HIDDEN, layers=1, heads=2, ff=16),
+                            causal=True)
+    windows = np.array([[CLS_ID, 9, 10, SEP_ID, PAD_ID]], np.int32)
+    assert is_causal(causal) and not is_causal(tiny_backbone())
+    np.testing.assert_array_equal(encoder_inputs(causal, windows),
+                                  [[BOS_ID, 9, 10, EOS_ID, PAD_ID]])
+    np.testing.assert_array_equal(encoder_inputs(tiny_backbone(), windows), windows)
+    with pytest.raises(UserError, match="causal"):
+        build_classifier(causal, 2, pooling="cls")
+    build_classifier(causal, 2, pooling="last")  # and mean: both read states that saw the text
+
+
+def test_fine_tuning_dropout_is_its_own_setting_and_weights_carry_over():
+    keras.utils.set_random_seed(0)
+    encoder = tiny_backbone()  # pretrained with dropout 0
+    rebuilt = with_encoder_dropout(encoder, 0.3)
+    rates = {layer.rate for layer in rebuilt._flatten_layers()
+             if isinstance(layer, keras.layers.Dropout)}
+    assert rates == {0.3}
+    for a, b in zip(rebuilt.get_weights(), encoder.get_weights()):
         np.testing.assert_array_equal(a, b)
-    # Only the head can learn.
-    assert ([v.path for v in result.model.trainable_variables]
-            == ["head_logits/kernel", "head_logits/bias"])
+    fresh = with_encoder_dropout(encoder, 0.3, keep_weights=False)
+    assert not all(np.array_equal(a, b) for a, b in zip(fresh.get_weights(), encoder.get_weights()))
 
 
-def test_selection_uses_validation_only(probe_runs):
-    (a, b), val, cfg = probe_runs
-    assert len({h["loss"] for h in a.history}) == len(a.history) > 1  # it did train
-    # Different test sets, same selection: test data played no part in it.
-    assert a.history == b.history and a.best_epoch == b.best_epoch
-    assert a.val_macro_f1 == b.val_macro_f1
-    np.testing.assert_array_equal(a.predictions["fixed"], b.predictions["fixed"])
-    np.testing.assert_array_equal(a.val_predictions, b.val_predictions)
-    # The returned model is the best validation epoch, and patience bounds the run.
-    assert a.val_macro_f1 == max(h["val_macro_f1"] for h in a.history)
-    assert macro_f1(val[1], predict_classes(a.model, val[0])) == a.val_macro_f1
-    assert a.epochs_run == cfg.epochs or a.epochs_run - a.best_epoch == cfg.patience
-
-
-def test_full_changes_backbone_and_round_trips(pretrained, tmp_path):
-    before = backbone_weights(build_classifier(pretrained(), 2))
-    result = train_classifier(pretrained, make_docs(16, 1), make_docs(8, 2), 2, "full", CFG, seed=1)
-    changed = [not np.array_equal(a, b) for a, b in zip(backbone_weights(result.model), before)]
-    # Nearly all, not all: e.g. an attention key bias has an exactly-zero gradient.
-    assert sum(changed) >= 0.9 * len(changed)
-    assert isinstance(result.model.optimizer, TwoRateAdam)
-    path = tmp_path / "classifier.keras"
-    result.model.save(path)
-    loaded = keras.saving.load_model(path, safe_mode=True)
-    ids = make_docs(8, 3)[0]
-    np.testing.assert_allclose(loaded.predict(ids, verbose=0), result.model.predict(ids, verbose=0),
-                               atol=1e-6)
-
-
-def test_two_rate_adam_scales_the_encoder_step():
-    enc, head = keras.Variable(np.zeros(3, np.float32)), keras.Variable(np.zeros(3, np.float32))
-    opt = TwoRateAdam(learning_rate=0.1, scaled_paths=[enc.path], scale=0.25)
-    grad = np.array([1.0, -2.0, 3.0], np.float32)
-    opt.apply([grad, grad], [enc, head])
-    # Adam's first step is lr * sign(g) (bias-corrected m / sqrt(v) = ±1).
-    np.testing.assert_allclose(np.asarray(head), -0.1 * np.sign(grad), rtol=1e-4)
-    np.testing.assert_allclose(np.asarray(enc), -0.025 * np.sign(grad), rtol=1e-4)
-
-
-def test_scratch_starts_from_fresh_weights(tmp_path):
-    # A "pretrained" backbone whose weights are all 0.5: scratch must not start from them.
-    marked = tiny_backbone()
-    marked.set_weights([np.full_like(w, 0.5) for w in marked.get_weights()])
-    marked.save(tmp_path / "encoder.keras")
-
-    def factory():
-        return keras.saving.load_model(tmp_path / "encoder.keras", safe_mode=True)
-
-    frozen_lr = FinetuneConfig(epochs=1, batch_size=16, head_learning_rate=1e-12,
-                               encoder_learning_rate=1e-12)
-    result = train_classifier(factory, make_docs(16, 1), make_docs(8, 2), 2, "scratch", frozen_lr,
-                              seed=1)
-    for w in backbone_weights(result.model):
-        assert not np.allclose(w, 0.5)
-    assert ([w.shape for w in backbone_weights(result.model)]
-            == [w.shape for w in marked.get_weights()])
-
-
-def test_training_errors_are_clear(pretrained):
-    ids, y = make_docs(8, 1)
-    with pytest.raises(UserError, match="single label"):
-        train_classifier(pretrained, (ids, np.zeros(8, int)), (ids, y), 2, "probe", CFG, seed=0)
-    with pytest.raises(UserError, match="unknown fine-tuning mode"):
-        train_classifier(pretrained, (ids, y), (ids, y), 2, "linear", CFG, seed=0)
-    too_long = np.pad(ids, ((0, 0), (0, 4)))  # (8, MAX_LEN + 4): past the last learned position
-    with pytest.raises(UserError, match="same max_len"):
-        train_classifier(pretrained, (too_long, y), (ids, y), 2, "probe", CFG, seed=0)
+def test_errors_are_clear(pretrained):
     with pytest.raises(UserError, match="at least 2 classes"):
         build_classifier(pretrained(), 1)
-    with pytest.raises(UserError, match="not in the training label set"):
-        class_ids(["a", "z"], ["a", "b"])
-    np.testing.assert_array_equal(class_ids(["b", "a", "b"], ["a", "b"]), [1, 0, 1])
+    with pytest.raises(UserError, match="unknown pooling"):
+        build_classifier(pretrained(), 2, pooling="max")
+    too_long = np.pad(make_docs(8, 1)[0], ((0, 0), (0, 4)))  # past the last learned position
+    with pytest.raises(UserError, match="same max_len"):
+        check_encoder_length("train", too_long, pretrained())
 
 
 # ---------------------------------------------------------------- label subsets

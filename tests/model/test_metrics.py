@@ -5,7 +5,13 @@ from hypothesis import strategies as st
 from sklearn.metrics import accuracy_score, confusion_matrix, f1_score
 
 from selfsup_model.errors import UserError
-from selfsup_model.metrics import accuracy, bootstrap_ci, confusion, macro_f1
+from selfsup_model.metrics import (
+    accuracy,
+    bootstrap_ci,
+    confusion,
+    macro_f1,
+    paired_bootstrap_diff,
+)
 
 label_pairs = st.integers(1, 60).flatmap(
     lambda n: st.tuples(
@@ -75,3 +81,24 @@ def test_clear_errors():
         macro_f1([1, 2, 3], [1, 2])
     with pytest.raises(UserError, match="unknown metric"):
         bootstrap_ci([1], [1], "auc", n=10, seed=0)
+
+
+def test_paired_bootstrap_difference_by_hand():
+    y = np.array(list("aabb"))
+    perfect, all_a = y.copy(), np.array(list("aaaa"))
+    # macro-F1(perfect) = 1; macro-F1(all "a") = (F1_a + F1_b)/2 = (2*2/(4+2) + 0)/2 = 1/3.
+    diff, low, high = paired_bootstrap_diff(y, perfect, all_a, "macro_f1", n=500, seed=0)
+    assert diff == pytest.approx(2 / 3)
+    assert 0.0 <= low <= diff <= high <= 1.0  # a perfect predictor is never worse on any draw
+    assert paired_bootstrap_diff(y, all_a, all_a, "macro_f1", n=50, seed=0) == (0.0, 0.0, 0.0)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from("xyz"), st.sampled_from("xyz"), st.sampled_from("xyz")),
+                min_size=2, max_size=40), st.integers(0, 2**16))
+def test_paired_bootstrap_is_antisymmetric(rows, seed):
+    y, a, b = (np.array(col) for col in zip(*rows))
+    d1, lo1, hi1 = paired_bootstrap_diff(y, a, b, "accuracy", n=200, seed=seed)
+    d2, lo2, hi2 = paired_bootstrap_diff(y, b, a, "accuracy", n=200, seed=seed)
+    assert d1 == pytest.approx(-d2) and lo1 == pytest.approx(-hi2) and hi1 == pytest.approx(-lo2)
+    assert lo1 <= hi1

@@ -5,6 +5,7 @@ import pandas as pd
 import pytest
 from sklearn.metrics import accuracy_score, f1_score
 
+from selfsup_model.effects import effect_sentence, pretraining_effects, seed_spread
 from selfsup_model.errors import UserError
 from selfsup_model.report import (
     CONFUSION_PLOT,
@@ -63,7 +64,7 @@ def test_report_numbers_recompute_from_predictions(tmp_path):
 
     markdown = (tmp_path / "report.md").read_text()
     assert markdown.count("| full |") == 2 and "Label fraction 0.25:" in markdown
-    assert "leakage audit" in markdown and "not variation between training seeds" in markdown
+    assert "leakage audit" in markdown and "test-set sampling only" in markdown
 
 
 def test_recompute_is_independent_of_row_order():
@@ -101,3 +102,39 @@ def test_report_rejects_incomplete_results(tmp_path):
         write_report(tmp_path, [{"method": "full", "fraction": 1.0}], {})
     with pytest.raises(UserError, match="lacks columns"):
         recompute_results(pd.DataFrame({"id": [1]}))
+
+
+def test_pretraining_effect_compares_the_validation_choice_on_test():
+    ids = [f"d{i}" for i in range(8)]
+    y = list("aabbaabb")
+    rows = []
+    for method, pred in (("pretrained_full", y), ("pretrained_probe", list("aaaaaaaa")),
+                         ("random_init", list("abababab")), ("tfidf_logreg", y)):
+        rows += [(i, method, 0.5, t, p) for i, t, p in zip(ids, y, pred)]
+    predictions = pd.DataFrame(rows, columns=["id", "method", "fraction", "label", "prediction"])
+    results = recompute_results(predictions, 200, 0)
+    # Validation prefers the probe, so the probe is "the best pretrained method", not full.
+    val = {"pretrained_full": 0.6, "pretrained_probe": 0.7, "random_init": 0.9, "tfidf_logreg": 0.9}
+    for r in results:
+        r["val_macro_f1"] = val[r["method"]]
+    effects = pretraining_effects(results, predictions, 200, 0)
+    assert [(e["pretrained_method"], e["reference"]) for e in effects] == [
+        ("pretrained_probe", "random_init"), ("pretrained_probe", "tfidf_logreg")]
+    # probe: all "a" -> macro-F1 1/3; random_init: half right in each class -> 1/2; tfidf: 1.
+    assert effects[0]["test_macro_f1_difference"] == pytest.approx(1 / 3 - 1 / 2)
+    assert effects[1]["test_macro_f1_difference"] == pytest.approx(1 / 3 - 1)
+    assert effects[1]["verdict"] == "worse" and effects[1]["ci"][1] < 0
+    sentence = effect_sentence(effects[1])
+    assert "pretrained_probe" in sentence and "behind TF-IDF + logistic regression" in sentence
+
+
+def test_seed_spread_over_training_seeds():
+    rows = [("d0", "m", 0.5, s, "a", p) for s, p in ((0, "a"), (1, "b"))]
+    rows += [("d1", "m", 0.5, s, "b", "b") for s in (0, 1)]
+    rows += [("d0", "single", 0.5, 0, "a", "a")]
+    spread = seed_spread(pd.DataFrame(rows, columns=["id", "method", "fraction", "seed", "label",
+                                                     "prediction"]))
+    # seed 0: both right (macro-F1 1); seed 1: "b" twice -> F1_a 0, F1_b 2/3 -> 1/3.
+    assert set(spread) == {("m", 0.5)}
+    assert spread[("m", 0.5)]["mean"] == pytest.approx(2 / 3)
+    assert spread[("m", 0.5)]["sd"] == pytest.approx(np.std([1, 1 / 3], ddof=1))

@@ -1,0 +1,161 @@
+"""The fair fine-tuning protocol: update budget, selection on validation only, staged unfreezing,
+frozen features, and one grid and budget for every neural method."""
+
+import keras
+import numpy as np
+import pytest
+
+from selfsup_model.classify import build_classifier, predict_classes
+from selfsup_model.config import FinetuneConfig, ModelConfig
+from selfsup_model.errors import UserError
+from selfsup_model.features import frozen_features
+from selfsup_model.finetuning import ClassifierRun, Stage, train_classifier, update_budget
+from selfsup_model.metrics import macro_f1
+from selfsup_model.model import build_backbone
+from selfsup_model.transfer import LabelledData, LabelledSplit, NeuralMethod, train_neural_methods
+from tests.model.toy import make_docs
+
+VOCAB, MAX_LEN = 20, 8
+CFG = FinetuneConfig(batch_size=8, epochs=2, min_updates=8, max_updates=24, evals=4, patience=2,
+                     dropout=0.0, encoder_dropout=0.0)
+
+
+def backbone(layers: int = 1, dropout: float = 0.0) -> keras.Model:
+    return build_backbone(VOCAB, MAX_LEN, ModelConfig(hidden=8, layers=layers, heads=2, ff=16,
+                                                      dropout=dropout, norm="pre"))
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    keras.utils.set_random_seed(0)
+    path = tmp_path_factory.mktemp("enc") / "encoder.keras"
+    backbone(layers=2).save(path)
+    return lambda: keras.saving.load_model(path, safe_mode=True)
+
+
+def weights_of(model: keras.Model, layer: str) -> list[np.ndarray]:
+    return [np.array(w) for w in model.get_layer("backbone").get_layer(layer).get_weights()]
+
+
+def test_update_budget_has_a_floor_and_a_ceiling():
+    assert update_budget(16, CFG) == 8  # 2 epochs of 2 batches = 4, lifted to the floor
+    assert update_budget(80, CFG) == 20  # 2 epochs of 10 batches
+    assert update_budget(10_000, CFG) == 24  # capped
+
+
+def test_selection_uses_validation_only(pretrained):
+    train, val = make_docs(32, 1), make_docs(16, 2)
+    runs = [train_classifier(pretrained, train, val, 2, "full", CFG, seed=3, learning_rate=3e-3,
+                             eval_sets={"test": make_docs(10 + k, 5 + k)[0]}) for k in (0, 1)]
+    a, b = runs
+    # Different test sets, same training and selection: test data played no part in it.
+    assert a.history == b.history and a.best_update == b.best_update
+    np.testing.assert_array_equal(a.val_predictions, b.val_predictions)
+    assert a.val_macro_f1 == max(h["val_macro_f1"] for h in a.history)
+    assert macro_f1(val[1], predict_classes(a.model, val[0])) == a.val_macro_f1
+    assert 0 < a.updates_run <= update_budget(32, CFG)
+
+
+def test_staged_unfreezing_trains_head_then_top_block_then_all(pretrained):
+    keras.utils.set_random_seed(0)
+    encoder = pretrained()
+    model = build_classifier(encoder, 2, dropout=0.0)
+    train, val = make_docs(32, 1), make_docs(16, 2)
+    run = ClassifierRun(model, encoder, train, val, CFG, np.random.default_rng(0))
+    lower, upper = (lambda: weights_of(model, "block_0")), (lambda: weights_of(model, "block_1"))
+    low0, up0, head0 = lower(), upper(), model.get_layer("head_logits").get_weights()
+    run.train_stage(Stage("head", 8, 3e-2))
+    # Head alone, on frozen features: no encoder weight moved; the head did.
+    assert all(np.array_equal(x, y) for x, y in zip(lower() + upper(), low0 + up0))
+    assert not np.array_equal(model.get_layer("head_logits").get_weights()[0], head0[0])
+    low1, up1 = lower(), upper()
+    run.best_f1 = -1.0  # make the stage's weights stay, whatever validation says
+    run.train_stage(Stage("top", 8, 3e-2))
+    assert all(np.array_equal(x, y) for x, y in zip(lower(), low1))  # the lower block is frozen
+    assert not all(np.array_equal(x, y) for x, y in zip(upper(), up1))  # the top block learned
+    assert [s["stage"] for s in run.stages] == ["head", "top"]
+
+
+def test_staged_mode_records_its_stages_and_keeps_only_helpful_ones(pretrained):
+    result = train_classifier(pretrained, make_docs(32, 1), make_docs(16, 2), 2, "staged", CFG,
+                              seed=0, learning_rate=3e-3)
+    assert [s["stage"] for s in result.stages] == ["head", "top", "all"]
+    assert sum(s["updates"] for s in result.stages) == update_budget(32, CFG)
+    assert result.stages[2]["learning_rate"] == pytest.approx(3e-3 * CFG.staged_final_lr_scale)
+    assert result.stages[0]["kept"]  # the first stage always improves on nothing
+    best = -1.0
+    for stage in result.stages:  # a stage is kept exactly when it raised the best so far
+        assert stage["kept"] == (stage["val_macro_f1"] > best)
+        best = max(best, stage["val_macro_f1"])
+    assert result.val_macro_f1 == best
+
+
+def test_frozen_features_are_computed_in_inference_mode():
+    keras.utils.set_random_seed(0)
+    encoder = backbone(dropout=0.5)  # dropout would change every call in training mode
+    ids = make_docs(20, 4)[0]
+    first, second = frozen_features(encoder, ids), frozen_features(encoder, ids)
+    np.testing.assert_array_equal(first, second)
+    assert first.shape == (20, 8) and first.dtype == np.float32
+    noisy = [np.asarray(encoder(ids, training=True)).mean() for _ in range(2)]
+    assert noisy[0] != noisy[1]  # the same encoder in training mode is not deterministic
+
+
+def test_scratch_starts_from_fresh_weights_of_the_same_architecture(tmp_path):
+    marked = backbone(layers=2)
+    marked.set_weights([np.full_like(w, 0.5) for w in marked.get_weights()])
+    marked.save(tmp_path / "encoder.keras")
+    result = train_classifier(lambda: keras.saving.load_model(tmp_path / "encoder.keras",
+                                                              safe_mode=True),
+                              make_docs(16, 1), make_docs(8, 2), 2, "scratch", CFG, seed=1,
+                              learning_rate=1e-9)
+    trained = result.model.get_layer("backbone").get_weights()
+    assert [w.shape for w in trained] == [w.shape for w in marked.get_weights()]
+    assert not any(np.allclose(w, 0.5) for w in trained if w.size > 1)
+
+
+def test_errors_are_clear(pretrained):
+    ids, y = make_docs(8, 1)
+    with pytest.raises(UserError, match="single label"):
+        train_classifier(pretrained, (ids, np.zeros(8, int)), (ids, y), 2, "full", CFG, 0, 1e-3)
+    with pytest.raises(UserError, match="unknown fine-tuning mode"):
+        train_classifier(pretrained, (ids, y), (ids, y), 2, "linear", CFG, 0, 1e-3)
+
+
+def test_every_neural_method_gets_the_same_grid_budget_and_subsets(monkeypatch):
+    calls = []
+
+    class Fake:
+        def __init__(self, n_test, lr):
+            self.val_macro_f1, self.learning_rate = lr, lr  # the larger rate "wins" validation
+            self.updates_run = self.best_update = 1
+            self.predictions = {"test": np.zeros(n_test, np.int64)}
+            self.stages, self.model = [], None
+
+    def fake_train(factory, train, val, num_classes, mode, cfg, seed, learning_rate, eval_sets):
+        calls.append((factory(), mode, len(train[1]), tuple(train[1]), cfg, seed, learning_rate))
+        return Fake(len(eval_sets["test"]), learning_rate)
+
+    monkeypatch.setattr("selfsup_model.transfer.train_classifier", fake_train)
+    docs = {s: make_docs(n, k) for s, n, k in (("train", 40, 0), ("val", 10, 1), ("test", 6, 2))}
+    splits = {s: LabelledSplit(np.array([f"{s}{i}" for i in range(len(y))]),
+                               np.where(y == 1, "b", "a"), ids) for s, (ids, y) in docs.items()}
+    data = LabelledData(["a", "b"], splits, {}, MAX_LEN)
+    cfg = FinetuneConfig(fractions=(0.25, 1.0), learning_rates=(1e-3, 3e-3), seeds=(0, 1),
+                         repeat_seeds_up_to=0.25)
+    methods = [NeuralMethod(name, mode, lambda name=name: name) for name, mode in
+               (("pretrained_full", "full"), ("pretrained_staged", "staged"),
+                ("random_init", "scratch"), ("bag_of_embeddings", "scratch"))]
+    results, kept = train_neural_methods(data, methods, cfg)
+    by_method = {}
+    for name, mode, n, labels, run_cfg, seed, lr in calls:
+        by_method.setdefault(name, []).append((n, labels, id(run_cfg), seed, lr))
+    runs = list(by_method.values())
+    assert len(runs) == 4 and all(r == runs[0] for r in runs)  # identical runs for every method
+    # 0.25: two seeds x two rates; 1.0: the first seed x two rates.
+    assert [(n, seed, lr) for n, _, _, seed, lr in runs[0]] == [
+        (10, 0, 1e-3), (10, 0, 3e-3), (10, 1, 1e-3), (10, 1, 3e-3), (40, 0, 1e-3), (40, 0, 3e-3)]
+    assert {s["selected"]["learning_rate"] for s in results.summaries} == {3e-3}
+    assert {s["budget_updates"] for s in results.summaries if s["fraction"] == 1.0} == \
+        {update_budget(40, cfg)}
+    assert len(results.seed_rows) == 4 * (2 + 1) * 6 and set(kept) == {m.name for m in methods}
