@@ -95,27 +95,6 @@ def build_pooling(pooling: str, backbone: keras.Model) -> keras.layers.Layer:
     return layer(name="pool")
 
 
-def with_encoder_dropout(backbone: keras.Model, rate: float, keep_weights: bool = True
-                         ) -> keras.Model:
-    """The same encoder rebuilt with every dropout rate set to `rate` (fine-tuning's rate, which
-    need not be pretraining's), carrying over its weights unless `keep_weights` is False (a
-    fresh random initialisation: the random-init baseline)."""
-    rate = float(rate)
-
-    def clone(layer):
-        config = layer.get_config()
-        if isinstance(layer, keras.layers.Dropout):
-            config["rate"] = rate
-        elif isinstance(layer, TransformerEncoderBlock):
-            config["dropout"] = rate
-        return layer.__class__.from_config(config)
-
-    clone_model = keras.models.clone_model(backbone, clone_function=clone)
-    if keep_weights:
-        clone_model.set_weights(backbone.get_weights())
-    return clone_model
-
-
 def build_classifier(backbone: keras.Model, num_classes: int, pooling: str = "mean",
                      dropout: float = 0.1) -> keras.Model:
     """int32 ids (B, L) -> class logits (B, num_classes), with a new, randomly initialised head."""

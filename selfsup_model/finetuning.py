@@ -33,12 +33,12 @@ from selfsup_model.classify import (
     check_encoder_length,
     encoder_inputs,
     predict_classes,
-    with_encoder_dropout,
 )
 from selfsup_model.config import FinetuneConfig
 from selfsup_model.errors import UserError
 from selfsup_model.features import feature_extractor, predict_in_batches
 from selfsup_model.metrics import macro_f1
+from selfsup_model.model import with_dropout
 from selfsup_model.optimizers import SelectiveAdamW, WarmupDecay
 
 log = logging.getLogger("selfsup.finetuning")
@@ -103,7 +103,7 @@ def train_classifier(backbone_factory: Callable[[], keras.Model],
     val_ids, val_y = _check_split("val", val, num_classes)
     keras.utils.set_random_seed(seed)
     # scratch: the same architecture (causal too) with freshly initialised weights.
-    backbone = with_encoder_dropout(backbone_factory(), cfg.encoder_dropout,
+    backbone = with_dropout(backbone_factory(), cfg.encoder_dropout,
                                     keep_weights=mode != "scratch")
     for name, ids in (("train", train_ids), ("val", val_ids), *(eval_sets or {}).items()):
         check_encoder_length(name, ids, backbone)

@@ -54,6 +54,27 @@ def build_backbone(vocab_size: int, max_len: int, cfg: ModelConfig, causal: bool
     return keras.Model(ids, x, name="causal_backbone" if causal else "backbone")
 
 
+def with_dropout(backbone: keras.Model, rate: float, keep_weights: bool = True
+                         ) -> keras.Model:
+    """The same backbone rebuilt with every dropout rate set to `rate` (fine-tuning's rate need
+    not be pretraining's), carrying over its weights unless `keep_weights` is False (a fresh
+    random initialisation of the same architecture: the random-init baseline)."""
+    rate = float(rate)
+
+    def clone(layer):
+        config = layer.get_config()
+        if isinstance(layer, keras.layers.Dropout):
+            config["rate"] = rate
+        elif isinstance(layer, TransformerEncoderBlock):
+            config["dropout"] = rate
+        return layer.__class__.from_config(config)
+
+    clone_model = keras.models.clone_model(backbone, clone_function=clone)
+    if keep_weights:
+        clone_model.set_weights(backbone.get_weights())
+    return clone_model
+
+
 def token_embedding_of(backbone: keras.Model) -> TokenAndPositionEmbedding:
     return backbone.get_layer(EMBEDDING_LAYER)
 

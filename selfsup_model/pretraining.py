@@ -22,9 +22,15 @@ from keras import ops
 
 from selfsup_model.artifacts import atomic_write_json, save_keras_atomic, sha256_json
 from selfsup_model.config import MaskingConfig, ModelConfig, PretrainConfig
+from selfsup_model.continued import InitSource, check_compatible
 from selfsup_model.errors import UserError
 from selfsup_model.evaluation import unigram_log_probs, validation_metrics, validation_unigram_loss
-from selfsup_model.model import build_backbone, build_pretrain_export_model, build_pretraining_model
+from selfsup_model.model import (
+    build_backbone,
+    build_pretrain_export_model,
+    build_pretraining_model,
+    with_dropout,
+)
 from selfsup_model.optimizers import SelectiveAdamW, WarmupDecay
 from selfsup_model.plots import plot_loss_curve
 from selfsup_model.pretrain_callbacks import (
@@ -88,9 +94,11 @@ class PretrainResult:
 def pretrain(train_windows, val_masks, vocab_size: int, model_cfg: ModelConfig,
              pretrain_cfg: PretrainConfig,
              masking_cfg: MaskingConfig, out_dir, log_metrics: LogFn | None = None,
-             progress: bool = True) -> PretrainResult:
+             progress: bool = True, init: InitSource | None = None,
+             tokenizer_sha256: str | None = None) -> PretrainResult:
     """Pretrain an encoder on (n, max_len) windows, resuming from `out_dir/checkpoints` if
-    present."""
+    present; with `init`, start from that run's pretrained model (continued pretraining),
+    whose tokenizer must be this run's (`tokenizer_sha256`)."""
     check_windows(train_windows, vocab_size)
     out_dir, obj, cfg = Path(out_dir), pretrain_cfg.objective, pretrain_cfg
     _check_val_masks(val_masks, int(train_windows.shape[1]))
@@ -101,7 +109,8 @@ def pretrain(train_windows, val_masks, vocab_size: int, model_cfg: ModelConfig,
     per_epoch = min(cfg.checkpoint_every, total)
     fingerprint = sha256_json({"model": model_cfg.model_dump(), "pretrain": cfg.model_dump(),
                                "masks": masking_cfg.model_dump(), "vocab_size": vocab_size,
-                               "windows": list(train_windows.shape)})
+                               "windows": list(train_windows.shape),
+                               "init": init.pretrain_model_sha256 if init else None})
 
     record = read_checkpoint(ckpt_dir)
     if record is not None and record.get("fingerprint") != fingerprint:
@@ -109,7 +118,7 @@ def pretrain(train_windows, val_masks, vocab_size: int, model_cfg: ModelConfig,
     if record is None:
         for stale in [*ckpt_dir.glob("ckpt-*.keras"), ckpt_dir / LATEST, ckpt_dir / JOURNAL]:
             stale.unlink(missing_ok=True)
-        model = _fresh_model(vocab_size, max_len, model_cfg, cfg, total)
+        model = _fresh_model(vocab_size, max_len, model_cfg, cfg, total, init, tokenizer_sha256)
         start_step, initial_epoch, state = 0, 0, None
     else:
         model = load_keras_model(record["path"])  # safe_mode=True
@@ -167,11 +176,24 @@ def _check_val_masks(val_masks, max_len: int) -> None:
 
 
 def _fresh_model(vocab_size: int, max_len: int, model_cfg: ModelConfig, cfg: PretrainConfig,
-                 total: int):
+                 total: int, init: InitSource | None = None, tokenizer_sha256: str | None = None):
     keras.utils.set_random_seed(cfg.seed)
-    backbone = build_backbone(vocab_size, max_len, model_cfg, causal=cfg.objective == "clm",
-                              dtype=resolve_precision(cfg.mixed_precision))
-    model = build_pretraining_model(backbone, cfg.objective, model_cfg)
+    causal = cfg.objective == "clm"
+    if init is None:
+        backbone = build_backbone(vocab_size, max_len, model_cfg, causal=causal,
+                                  dtype=resolve_precision(cfg.mixed_precision))
+        return _compiled(build_pretraining_model(backbone, cfg.objective, model_cfg), cfg, total)
+    source = load_keras_model(init.pretrain_model)  # safe_mode=True, bytes verified by sha256
+    check_compatible(source.backbone, vocab_size=vocab_size, max_len=max_len, causal=causal,
+                     model_cfg=model_cfg, tokenizer_sha256=tokenizer_sha256 or "",
+                     source=init)
+    model = build_pretraining_model(with_dropout(source.backbone, model_cfg.dropout),
+                                    cfg.objective, model_cfg)
+    model.head.set_weights(source.head.get_weights())  # the objective head continues too
+    return _compiled(model, cfg, total)
+
+
+def _compiled(model, cfg: PretrainConfig, total: int):
     model.compile(optimizer=build_optimizer(cfg, total), jit_compile=resolve_jit(cfg.jit))
     return model
 

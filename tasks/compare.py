@@ -49,6 +49,8 @@ def report_context(ctx: RunContext, inputs: dict[str, Path], n_test: int) -> dic
         "pretraining": f"{pre.counts['steps']} steps, {pre.counts['tokens_seen']} input tokens, "
                        f"{pre.counts['scored_tokens']} scored tokens "
                        f"({ctx.config.pretrain.objective})",
+        "encoder started from": pre.counts.get("initialised_from", "random initialisation"),
+        "fine-tuning protocol": _protocol(ctx.config.finetune),
         "final validation loss": {k: round(v, 4) for k, v in pre.metrics.items()
                                   if k.startswith("val/")},
         "leakage audit": "passed (no near-duplicates or groups across splits)"
@@ -60,6 +62,15 @@ def report_context(ctx: RunContext, inputs: dict[str, Path], n_test: int) -> dic
             "truncates at its own limit)"),
         **{f"not run: {method}": reason for method, reason in sorted(unavailable.items())},
     }
+
+
+def _protocol(cfg) -> str:
+    return (f"every neural method: peak learning rates {list(cfg.learning_rates)} (chosen on "
+            f"validation), {cfg.epochs} epochs clipped to [{cfg.min_updates}, {cfg.max_updates}] "
+            f"updates, {cfg.warmup_fraction:g} warmup then linear decay, early stopping after "
+            f"{cfg.patience} of {cfg.evals} validation checks without gain, training seeds "
+            f"{list(cfg.seeds)} up to fraction {cfg.repeat_seeds_up_to:g}; linear probe: C in "
+            f"{list(cfg.probe_c)} on standardised frozen features")
 
 
 def compute(ctx: RunContext, out: Path, inputs: dict[str, Path]) -> StageOutput:

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
+from selfsup_model.artifacts import sha256_file
+from selfsup_model.continued import resolve_init_source
 from selfsup_model.masking import load_masks
 from selfsup_model.pretraining import pretrain
 from selfsup_model.tokenization import load_tokenizer
@@ -20,11 +22,14 @@ def compute(ctx: RunContext, out: Path, inputs: dict[str, Path]) -> StageOutput:
     windows = np.load(inputs["encode/train_windows.npy"], mmap_mode="r", allow_pickle=False)
     val_masks = load_masks(inputs["masks/val_masks.npz"])
     cfg = ctx.config
+    init = resolve_init_source(cfg.pretrain.init_from) if cfg.pretrain.init_from else None
     result = pretrain(windows, val_masks, vocab_size, cfg.model, cfg.pretrain, cfg.masks, out,
-                      log_metrics=ctx.metric_logger())
+                      log_metrics=ctx.metric_logger(), init=init,
+                      tokenizer_sha256=sha256_file(inputs["tokenizer/tokenizer.json"]))
     counts = {"steps": result.steps, "tokens_seen": result.tokens_seen,
               "scored_tokens": int(result.scored_tokens), "empty_batches": result.empty_batches,
-              "resumed_from_step": result.resumed_from_step, "train_windows": int(windows.shape[0])}
+              "resumed_from_step": result.resumed_from_step, "train_windows": int(windows.shape[0]),
+              "initialised_from": init.describe() if init else "random initialisation"}
     metrics = {**result.val_metrics, "val/unigram_baseline_loss": result.unigram_baseline_loss,
                "train/tokens_per_s": result.tokens_per_s}
     return StageOutput(OUTPUTS, counts, metrics, log_artifacts=["history.json", "loss_curve.png"])

@@ -28,6 +28,16 @@ def _corpus_fingerprint(ctx: RunContext) -> dict[str, Any]:
     return {"corpus": corpus_fingerprint(ctx.corpus, ctx.corpus_format, ctx.config.ingest)}
 
 
+def _init_source(ctx: RunContext, artifact: str) -> dict[str, Any]:
+    """The continued-pretraining source's file this stage depends on (nothing when unset)."""
+    if not ctx.config.pretrain.init_from:
+        return {}
+    from selfsup_model.continued import resolve_init_source
+
+    source = resolve_init_source(ctx.config.pretrain.init_from)
+    return {"init_from_sha256": getattr(source, f"{artifact}_sha256")}
+
+
 def _baseline_extras(ctx: RunContext) -> dict[str, Any]:
     """What else the baselines' output depends on: whether the optional extra is importable,
     and the pretraining objective (random_init is causal exactly when the encoder is)."""
@@ -45,7 +55,7 @@ PIPELINE: tuple[StageSpec, ...] = (
               # v3: higher-recall unit building; the audit bands regrouped signature columns
               version=3),
     StageSpec("tokenizer", inputs=("ingest/documents.parquet", "split/assignments.parquet"),
-              sections=("tokenizer",)),
+              sections=("tokenizer",), extra_params=lambda ctx: _init_source(ctx, "tokenizer")),
     StageSpec("encode", inputs=("ingest/documents.parquet", "split/assignments.parquet",
                                 "tokenizer/tokenizer.json"),
               sections=("encode",)),
@@ -54,7 +64,8 @@ PIPELINE: tuple[StageSpec, ...] = (
     # Only the training split's windows: pretraining never reads validation or test text.
     StageSpec("pretrain", inputs=("encode/train_windows.npy", "masks/val_masks.npz",
                                   "tokenizer/tokenizer.json"),
-              sections=("model", "pretrain", "masks")),
+              sections=("model", "pretrain", "masks"),
+              extra_params=lambda ctx: _init_source(ctx, "pretrain_model")),
     StageSpec("finetune", inputs=("pretrain/encoder.keras", *LABELLED_INPUTS),
               sections=("finetune",)),
     # finetune's section: the same fractions, seed and training budget as the pretrained methods.

@@ -13,11 +13,10 @@ from selfsup_model.classify import (
     encoder_inputs,
     is_causal,
     stratified_subset,
-    with_encoder_dropout,
 )
 from selfsup_model.config import ModelConfig
 from selfsup_model.errors import UserError
-from selfsup_model.model import build_backbone
+from selfsup_model.model import build_backbone, with_dropout
 from selfsup_model.specials import BOS_ID, CLS_ID, EOS_ID, PAD_ID, SEP_ID
 from tests.model.toy import make_docs
 
@@ -106,13 +105,13 @@ def test_a_causal_encoder_reads_bos_eos_and_is_never_pooled_at_position_zero():
 def test_fine_tuning_dropout_is_its_own_setting_and_weights_carry_over():
     keras.utils.set_random_seed(0)
     encoder = tiny_backbone()  # pretrained with dropout 0
-    rebuilt = with_encoder_dropout(encoder, 0.3)
+    rebuilt = with_dropout(encoder, 0.3)
     rates = {layer.rate for layer in rebuilt._flatten_layers()
              if isinstance(layer, keras.layers.Dropout)}
     assert rates == {0.3}
     for a, b in zip(rebuilt.get_weights(), encoder.get_weights()):
         np.testing.assert_array_equal(a, b)
-    fresh = with_encoder_dropout(encoder, 0.3, keep_weights=False)
+    fresh = with_dropout(encoder, 0.3, keep_weights=False)
     assert not all(np.array_equal(a, b) for a, b in zip(fresh.get_weights(), encoder.get_weights()))
 
 

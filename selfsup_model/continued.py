@@ -1,0 +1,94 @@
+"""Continued (domain-adaptive) pretraining: start from another selfsup run's encoder.
+
+`pretrain.init_from` names that run's workdir or its `pretrain/encoder.keras`.
+The new run keeps the source's tokenizer and special-token ids (the tokenizer
+stage copies it instead of fitting one), and pretraining starts from the
+source's weights, objective head included. Only files the source pipeline
+wrote and recorded in its manifests are loaded, and only while their bytes
+still match the recorded sha256. A checkpoint that does not fit the run (another
+vocabulary, architecture, objective or tokenizer) is refused with the reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import keras
+
+from selfsup_model.artifacts import MANIFEST_NAME, StageManifest, sha256_file
+from selfsup_model.config import ModelConfig
+from selfsup_model.errors import ArtifactError, UserError
+from selfsup_model.layers import TransformerEncoderBlock
+from selfsup_model.model import token_embedding_of
+
+
+@dataclasses.dataclass(frozen=True)
+class InitSource:
+    workdir: Path
+    tokenizer: Path
+    pretrain_model: Path  # backbone + objective head
+    tokenizer_sha256: str
+    pretrain_model_sha256: str
+    encoder_sha256: str
+
+    def describe(self) -> str:
+        return f"{self.workdir} (encoder.keras sha256 {self.encoder_sha256[:12]})"
+
+
+def resolve_init_source(init_from: str) -> InitSource:
+    """The run `init_from` names, with its tokenizer and pretrained model verified by hash."""
+    path = Path(init_from).expanduser()
+    if path.is_file() and path.suffix == ".keras" and path.parent.name == "pretrain":
+        workdir = path.parent.parent
+    elif path.is_dir():
+        workdir = path
+    else:
+        raise UserError(f"pretrain.init_from={init_from!r} is neither a selfsup workdir nor its "
+                        "pretrain/encoder.keras")
+    files = {}
+    for stage, name in (("tokenizer", "tokenizer.json"), ("pretrain", "pretrain_model.keras"),
+                        ("pretrain", "encoder.keras")):
+        manifest_path = workdir / stage / MANIFEST_NAME
+        if not manifest_path.is_file():
+            raise UserError(f"pretrain.init_from: {workdir} has no finished {stage} stage "
+                            f"({manifest_path} is missing)")
+        record = StageManifest.read(manifest_path).outputs.get(name)
+        file = workdir / stage / name
+        if record is None or not file.is_file() or sha256_file(file) != record.sha256:
+            raise ArtifactError(f"pretrain.init_from: {file} is missing or no longer matches the "
+                                "sha256 its run recorded; refusing to load it")
+        files[name] = (file, record.sha256)
+    return InitSource(workdir.resolve(), files["tokenizer.json"][0],
+                      files["pretrain_model.keras"][0], files["tokenizer.json"][1],
+                      files["pretrain_model.keras"][1], files["encoder.keras"][1])
+
+
+def check_compatible(backbone: keras.Model, *, vocab_size: int, max_len: int, causal: bool,
+                     model_cfg: ModelConfig, tokenizer_sha256: str, source: InitSource) -> None:
+    """Refuse, with the reason, a checkpoint that does not fit this run."""
+    if tokenizer_sha256 != source.tokenizer_sha256:
+        raise UserError(f"this run's tokenizer (sha256 {tokenizer_sha256[:12]}) is not the one "
+                        f"{source.describe()} was trained with ({source.tokenizer_sha256[:12]}); "
+                        "continued pretraining must keep the checkpoint's tokenizer "
+                        "(rerun with --force tokenizer)")
+    embedding = token_embedding_of(backbone)
+    if embedding.vocab_size != vocab_size:
+        raise UserError(f"the checkpoint's vocabulary has {embedding.vocab_size} ids but the "
+                        f"tokenizer {vocab_size}: they do not belong together")
+    if embedding.max_len < max_len:
+        raise UserError(f"the checkpoint has {embedding.max_len} learned positions but this run's "
+                        f"windows have {max_len}; set encode.max_len <= {embedding.max_len}")
+    blocks = [layer for layer in backbone.layers if isinstance(layer, TransformerEncoderBlock)]
+    found = {"hidden": embedding.hidden, "layers": len(blocks), "heads": blocks[0].heads,
+             "ff": blocks[0].ff, "norm": blocks[0].norm}
+    wanted = {key: getattr(model_cfg, key) for key in found}
+    differ = [f"model.{k}={wanted[k]} (checkpoint: {found[k]})" for k in found
+              if found[k] != wanted[k]]
+    if differ:
+        raise UserError(f"the settings differ from {source.describe()}: {', '.join(differ)}; "
+                        "set them to the checkpoint's")
+    if blocks[0].causal != causal:
+        objective = "clm" if blocks[0].causal else "mlm"
+        raise UserError(f"the checkpoint was pretrained with the {objective} objective; set "
+                        f"pretrain.objective={objective} to continue it")
