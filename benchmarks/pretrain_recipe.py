@@ -46,6 +46,8 @@ SETTINGS = {
     "... + selection rate 0.25 (len 64, 2e-3)": {"norm": "pre", "dropout": 0.0, "decay": "linear",
                                                  "lr": 2e-3, "len": 64, "batch": 64,
                                                  "select": 0.25},
+    "... + peak LR 1e-3 (len 64)": {"norm": "pre", "dropout": 0.0, "decay": "linear", "lr": 1e-3,
+                                    "len": 64, "batch": 64},
 }
 
 
