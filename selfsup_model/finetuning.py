@@ -104,7 +104,7 @@ def train_classifier(backbone_factory: Callable[[], keras.Model],
     keras.utils.set_random_seed(seed)
     # scratch: the same architecture (causal too) with freshly initialised weights.
     backbone = with_dropout(backbone_factory(), cfg.encoder_dropout,
-                                    keep_weights=mode != "scratch")
+                            keep_weights=mode != "scratch")
     for name, ids in (("train", train_ids), ("val", val_ids), *(eval_sets or {}).items()):
         check_encoder_length(name, ids, backbone)
     train_ids, val_ids = encoder_inputs(backbone, train_ids), encoder_inputs(backbone, val_ids)
