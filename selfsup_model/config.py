@@ -185,7 +185,7 @@ class FinetuneConfig(_Section):
     min_updates: int = Field(200, ge=1, description="... but at least this many updates ...")
     max_updates: int = Field(2000, ge=1, description="... and at most this many.")
     warmup_fraction: float = Field(0.1, ge=0.0, lt=1.0)
-    evals: int = Field(8, ge=1, description="Validation checks per training stage.")
+    evals: int = Field(8, ge=1, description="Validation checks over a run's update budget.")
     patience: int = Field(3, ge=1, description="Checks without improvement before stopping.")
     weight_decay: float = Field(0.01, ge=0.0)
     dropout: float = Field(0.1, ge=0.0, lt=1.0, description="Dropout before the head.")

@@ -7,8 +7,9 @@ Every run, whatever its method, gets:
 - one peak learning rate for all trainable weights (the caller searches a grid),
   reached by linear warmup over `warmup_fraction` of the updates, then linear
   decay to zero;
-- validation macro-F1 every `budget.eval_every` updates, early stopping after
-  `patience` checks without improvement, and the best weights kept.
+- validation macro-F1 `evals` times over the budget (at least once per stage),
+  early stopping after `patience` checks without improvement, and the best
+  weights kept.
 
 Modes: ``full`` (a pretrained backbone, everything trains), ``scratch`` (the same
 architecture, freshly initialised: the random-init baseline) and ``staged``
@@ -109,10 +110,11 @@ def train_classifier(backbone_factory: Callable[[], keras.Model],
         check_encoder_length(name, ids, backbone)
     train_ids, val_ids = encoder_inputs(backbone, train_ids), encoder_inputs(backbone, val_ids)
     model = build_classifier(backbone, num_classes, cfg.pooling, cfg.dropout)
+    budget = update_budget(len(train_y), cfg)
     run = ClassifierRun(model, backbone, (train_ids, train_y), (val_ids, val_y), cfg,
-                        np.random.default_rng(seed))
+                        np.random.default_rng(seed), eval_every=math.ceil(budget / cfg.evals))
     start = time.perf_counter()
-    for stage in plan_stages(mode, update_budget(len(train_y), cfg), learning_rate, cfg):
+    for stage in plan_stages(mode, budget, learning_rate, cfg):
         run.train_stage(stage)
     run.restore_best()
     val_pred = run.predict(val_ids)
@@ -128,8 +130,12 @@ def train_classifier(backbone_factory: Callable[[], keras.Model],
 class ClassifierRun:
     """The state of one classifier run across its stages: data order, best weights, records."""
 
-    def __init__(self, model, backbone, train, val, cfg: FinetuneConfig, rng: np.random.Generator):
+    def __init__(self, model, backbone, train, val, cfg: FinetuneConfig, rng: np.random.Generator,
+                 eval_every: int):
+        # Validation every `eval_every` updates, whatever the mode: staged runs get as many
+        # checks (and as much selection) over the same budget as full ones, not three times more.
         self.model, self.backbone, self.cfg, self.rng = model, backbone, cfg, rng
+        self.eval_every = max(1, eval_every)
         (self.train_ids, self.train_y), (self.val_ids, self.val_y) = train, val
         self.updates, self.best_update, self.best_f1 = 0, 0, -1.0
         self.best_weights = None
@@ -156,9 +162,9 @@ class ClassifierRun:
         trainer.compile(optimizer=_optimizer(stage, self.cfg),
                         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         order = self._batches(stage.updates)  # (updates, B) indices into the training subset
-        eval_every, waited, stage_best = max(1, math.ceil(stage.updates / self.cfg.evals)), 0, -1.0
-        for lo in range(0, stage.updates, eval_every):
-            idx = order[lo : lo + eval_every].reshape(-1)
+        waited, stage_best = 0, -1.0
+        for lo in range(0, stage.updates, self.eval_every):
+            idx = order[lo : lo + self.eval_every].reshape(-1)
             trainer.fit(x_train[idx], self.train_y[idx], batch_size=self.cfg.batch_size, epochs=1,
                         shuffle=False, verbose=0)
             self.updates += len(idx) // self.cfg.batch_size

@@ -61,7 +61,7 @@ def test_staged_unfreezing_trains_head_then_top_block_then_all(pretrained):
     encoder = pretrained()
     model = build_classifier(encoder, 2, dropout=0.0)
     train, val = make_docs(32, 1), make_docs(16, 2)
-    run = ClassifierRun(model, encoder, train, val, CFG, np.random.default_rng(0))
+    run = ClassifierRun(model, encoder, train, val, CFG, np.random.default_rng(0), eval_every=4)
     lower, upper = (lambda: weights_of(model, "block_0")), (lambda: weights_of(model, "block_1"))
     low0, up0, head0 = lower(), upper(), model.get_layer("head_logits").get_weights()
     run.train_stage(Stage("head", 8, 3e-2))
