@@ -82,7 +82,6 @@ PIPELINE: tuple[StageSpec, ...] = (
               manifests=("pretrain", "encode")),
 )
 STAGE_NAMES: tuple[str, ...] = tuple(spec.name for spec in PIPELINE)
-SPECS = {spec.name: spec for spec in PIPELINE}
 
 
 def select_stages(only: str | None = None, from_stage: str | None = None,

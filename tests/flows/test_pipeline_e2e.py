@@ -125,6 +125,27 @@ def test_report_is_recomputable_and_lists_every_method(tiny_run):
         assert (wd / "compare" / png).stat().st_size > 1000
 
 
+def test_every_neural_method_had_the_same_search_and_budget(tiny_run):
+    wd, _, _ = tiny_run
+    summaries = [s for stage in ("finetune", "baseline")
+                 for s in json.loads((wd / stage / "results.json").read_text())["results"]]
+    neural = [s for s in summaries if "grid" in s]
+    assert {s["method"] for s in neural} == {"pretrained_full", "pretrained_staged", "random_init",
+                                             "bag_of_embeddings"}
+    for fraction in {s["fraction"] for s in neural}:
+        at = [s for s in neural if s["fraction"] == fraction]
+        searched = {s["method"]: sorted((g["seed"], g["learning_rate"]) for g in s["grid"])
+                    for s in at}
+        assert len({tuple(v) for v in searched.values()}) == 1, searched
+        assert len({(s["budget_updates"], s["n_train"]) for s in at}) == 1
+    staged = [s for s in neural if s["method"] == "pretrained_staged"]
+    assert all([st["stage"] for st in s["stages"]] == ["head", "top", "all"] for s in staged)
+    report = json.loads((wd / "compare" / "report.json").read_text())
+    effects = {(e["fraction"], e["reference"]) for e in report["pretraining_effect"]}
+    assert effects == {(f, ref) for f in (0.5, 1.0) for ref in ("random_init", "tfidf_logreg")}
+    assert "What pretraining bought" in (wd / "compare" / "report.md").read_text()
+
+
 def test_pretraining_reads_only_the_training_split_and_its_loss_is_recomputable(tiny_run):
     from selfsup_model.evaluation import evaluate_masked_lm
     from selfsup_model.saving import load_keras_model

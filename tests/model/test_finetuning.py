@@ -5,13 +5,14 @@ import keras
 import numpy as np
 import pytest
 
-from selfsup_model.classify import build_classifier, predict_classes
+from selfsup_model.classify import build_classifier, is_causal, predict_classes
 from selfsup_model.config import FinetuneConfig, ModelConfig
 from selfsup_model.errors import UserError
 from selfsup_model.features import frozen_features
 from selfsup_model.finetuning import ClassifierRun, Stage, train_classifier, update_budget
 from selfsup_model.metrics import macro_f1
 from selfsup_model.model import build_backbone
+from selfsup_model.specials import BOS_ID, CLS_ID, SEP_ID
 from selfsup_model.transfer import LabelledData, LabelledSplit, NeuralMethod, train_neural_methods
 from tests.model.toy import make_docs
 
@@ -159,3 +160,23 @@ def test_every_neural_method_gets_the_same_grid_budget_and_subsets(monkeypatch):
     assert {s["budget_updates"] for s in results.summaries if s["fraction"] == 1.0} == \
         {update_budget(40, cfg)}
     assert len(results.seed_rows) == 4 * (2 + 1) * 6 and set(kept) == {m.name for m in methods}
+
+
+def test_a_causal_encoder_fine_tunes_causally_on_bos_eos_windows(monkeypatch):
+    causal = build_backbone(VOCAB, MAX_LEN, ModelConfig(hidden=8, layers=1, heads=2, ff=16,
+                                                        dropout=0.0), causal=True)
+    seen = []
+    original = ClassifierRun.__init__
+
+    def spy(self, model, backbone, train, val, *args, **kwargs):
+        seen.append(train[0])
+        original(self, model, backbone, train, val, *args, **kwargs)
+
+    monkeypatch.setattr(ClassifierRun, "__init__", spy)
+    ids, y = make_docs(16, 1)
+    for mode in ("full", "scratch"):  # pretrained clm, and random_init of the same architecture
+        result = train_classifier(lambda: causal, (ids, y), make_docs(8, 2), 2, mode,
+                                  CFG.model_copy(update={"pooling": "last"}), 0, 1e-3)
+        assert is_causal(result.model.get_layer(causal.name))
+    for windows in seen:  # the encoder read [BOS] ... [EOS], never [CLS]/[SEP]
+        assert (windows[:, 0] == BOS_ID).all() and not np.isin(windows, [CLS_ID, SEP_ID]).any()
