@@ -61,7 +61,8 @@ def run_setting(name: str, overrides: dict, windows: dict[int, np.ndarray], val_
                 vocab: int, seconds: float) -> dict:
     s = {**BASE, **overrides}
     model = ModelConfig(**DEMO_MODEL, norm=s["norm"], dropout=s["dropout"])
-    masks = MaskingConfig(select_rate=s["select"], max_predictions=max(2, round(s["select"] * s["len"] * 1.4)))
+    width = max(2, round(s["select"] * s["len"] * 1.4))  # room for the selection's upper tail
+    masks = MaskingConfig(select_rate=s["select"], max_predictions=width)
     train = windows[s["len"]]
 
     def cfg(steps: int) -> PretrainConfig:
@@ -79,7 +80,8 @@ def run_setting(name: str, overrides: dict, windows: dict[int, np.ndarray], val_
         result = pretrain(train, val_masks, vocab, model, cfg(steps), masks, Path(tmp) / "r",
                           progress=False)
     return {"setting": name, "steps": steps, "seconds": round(time.perf_counter() - t0, 1),
-            "tokens_per_s": round(result.tokens_per_s), "val_mlm_loss": result.val_metrics["val/mlm_loss"],
+            "tokens_per_s": round(result.tokens_per_s),
+            "val_mlm_loss": result.val_metrics["val/mlm_loss"],
             "val_mlm_accuracy": result.val_metrics["val/mlm_accuracy"],
             "unigram_loss": result.unigram_baseline_loss}
 
