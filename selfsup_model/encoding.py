@@ -26,14 +26,12 @@ import itertools
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 from tokenizers import Tokenizer
 
 from selfsup_model.artifacts import atomic_save_npy
 from selfsup_model.config import EncodeConfig
-from selfsup_model.errors import ArtifactError
 from selfsup_model.specials import CLS_ID, PAD_ID, SEP_ID
 
 _SUFFIXES = ("windows", "doc_offsets", "kept")
@@ -139,21 +137,3 @@ def write_encoded(encoded: EncodedSplit, directory: str | os.PathLike, split: st
     for name, array in zip(names, arrays, strict=True):
         atomic_save_npy(Path(directory) / name, array)
     return names
-
-
-def load_windows(directory: str | os.PathLike, split: str, mmap: bool = True) -> dict[str, Any]:
-    """{'windows', 'doc_offsets', 'kept'} for a split; windows memory-mapped when `mmap`."""
-    out = {}
-    for suffix, name in zip(_SUFFIXES, split_file_names(split), strict=True):
-        path = Path(directory) / name
-        if not path.is_file():
-            raise ArtifactError(f"missing encoded array {path}; rerun the encode stage")
-        mode = "r" if mmap and suffix == "windows" else None
-        out[suffix] = np.load(path, mmap_mode=mode, allow_pickle=False)
-    if out["doc_offsets"][-1] != len(out["windows"]) or len(out["kept"]) + 1 != len(
-        out["doc_offsets"]
-    ):
-        raise ArtifactError(
-            f"encoded arrays for split {split!r} in {directory} disagree; rerun encode"
-        )
-    return out
