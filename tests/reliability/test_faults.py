@@ -18,6 +18,7 @@ from prefect.settings import PREFECT_API_URL
 from flows.cli import main
 from flows.lock import workdir_lock
 from selfsup_model.artifacts import sha256_file
+from selfsup_model.pretrain_callbacks import read_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 DETERMINISTIC = [
@@ -96,7 +97,10 @@ def test_pretraining_killed_after_a_checkpoint_resumes_to_the_same_step_count(tm
     proc = _cli(wd, *args, wait=False, tmp=tmp_path)
     ckpts = wd / "pretrain" / "checkpoints"
     deadline = time.monotonic() + 300
-    while not list(ckpts.glob("*.keras")) and proc.poll() is None and time.monotonic() < deadline:
+    # A checkpoint counts once latest.json names it (the .keras file lands first, and a kill
+    # between the two rightly restarts from step 0), so wait for the record, as resume does.
+    while (read_checkpoint(ckpts) is None and proc.poll() is None
+           and time.monotonic() < deadline):
         time.sleep(0.2)
     assert proc.poll() is None, "pretraining finished before it could be killed"
     proc.kill()
