@@ -67,6 +67,25 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--json", action="store_true",
                         help="one JSON object (what scripts and tests read)")
 
+    predict = sub.add_parser(
+        "predict", help="classify new documents with a finished run's classifier",
+        description="Classify new documents with the classifier a finished run handed over "
+                    "(finetune/classifier.keras, chosen on validation). Text goes through the "
+                    "training path: normalisation, the run's tokenizer, the first window.")
+    predict.add_argument("input", help="a folder of .txt files, a .csv/.jsonl/.parquet table, "
+                                       "or - for one document per line on stdin")
+    predict.add_argument("--workdir", default=DEFAULT_WORKDIR, help="[default: %(default)s]")
+    predict.add_argument("--out", help="write every prediction to this .parquet/.jsonl/.csv "
+                                       "file [default: a table of the first 50 on the terminal]")
+    predict.add_argument("--text-column", help="table column holding the text "
+                                               "[default: the run's ingest.text_column]")
+    predict.add_argument("--id-column", help="table column holding the id "
+                                             "[default: the run's ingest.id_column]")
+    predict.add_argument("--rejects", metavar="FILE",
+                         help="also write every rejected input with its reason to this "
+                              ".csv/.jsonl/.parquet file")
+    predict.add_argument("--batch-size", type=int, default=256, help="[default: %(default)s]")
+
     ui = sub.add_parser("ui", help="start the MLflow UI on 127.0.0.1 for a workdir's run store")
     ui.add_argument("--workdir", default=DEFAULT_WORKDIR, help="[default: %(default)s]")
     ui.add_argument("--port", type=int, default=5000, help="[default: %(default)s]")
@@ -180,6 +199,46 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_predict(args: argparse.Namespace) -> int:
+    from selfsup_model.scoring import check_output_path
+
+    if args.batch_size < 1:
+        raise UserError(f"--batch-size must be at least 1 (got {args.batch_size})")
+    for path in (args.out, args.rejects):
+        if path:
+            check_output_path(path)
+    with _native_startup_logs_held():
+        import keras  # noqa: F401
+
+        from flows.predict import run_predict
+        from selfsup_model.scoring import format_table, write_predictions
+    lines = sys.stdin.buffer if args.input == "-" else None
+    outcome = run_predict(args.workdir, args.input, args.out, text_column=args.text_column,
+                          id_column=args.id_column, batch_size=args.batch_size, lines=lines)
+    _report_rejects(outcome.rejects, outcome.read)
+    if args.rejects:
+        write_predictions(outcome.rejects, args.rejects)
+    if outcome.out is None:
+        print(format_table(outcome.predictions))
+    else:
+        print(f"{len(outcome.predictions)} predictions -> {outcome.out}", file=sys.stderr)
+    return 0
+
+
+def _report_rejects(rejects, read: int, shown: int = 20) -> None:
+    """Every rejected input is accounted for on stderr: counts by reason and the first few."""
+    if rejects.empty:
+        return
+    by_reason = rejects["reason"].value_counts().sort_index()
+    print(f"rejected {len(rejects)} of {read} inputs: "
+          + ", ".join(f"{reason}={n}" for reason, n in by_reason.items()), file=sys.stderr)
+    for row in rejects.head(shown).itertuples(index=False):
+        print(f"  {row.id}: {row.reason} ({row.detail})", file=sys.stderr)
+    if len(rejects) > shown:
+        print(f"  ... and {len(rejects) - shown} more (--rejects FILE lists them all)",
+              file=sys.stderr)
+
+
 def _cmd_ui(args: argparse.Namespace) -> int:
     import subprocess
 
@@ -248,7 +307,8 @@ def _configure_logging() -> None:
     ours.propagate = False  # the handler above prints it; the root would print it twice
 
 
-COMMANDS = {"run": _cmd_run, "stages": _cmd_stages, "report": _cmd_report, "ui": _cmd_ui}
+COMMANDS = {"run": _cmd_run, "stages": _cmd_stages, "report": _cmd_report,
+            "predict": _cmd_predict, "ui": _cmd_ui}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

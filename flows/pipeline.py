@@ -7,13 +7,16 @@ from pathlib import Path
 from typing import Any, Literal
 
 from prefect import flow
+from prefect.artifacts import create_markdown_artifact
 
 from flows.lock import workdir_lock
+from flows.predict import label_counts_markdown, run_predict
 from flows.settings import RunSettings, changed_keys, read_settings, write_settings
 from flows.tracking import PipelineTracking, Tracker, default_tracking_uri, flatten
 from selfsup_model.config import DEFAULT_WORKDIR, CorpusFormat, PipelineConfig
 from selfsup_model.errors import UserError
 from selfsup_model.presets import build_config, deep_merge, parse_override, validate_config
+from selfsup_model.scoring import write_predictions
 from tasks.registry import STAGE_NAMES, select_stages, stage_tasks, stages_shaped_by
 from tasks.stage import RunContext, StageResult
 
@@ -135,3 +138,22 @@ def stage_flow(
     results = run_pipeline(cfg, corpus, corpus_format, workdir, select_stages(only=stage),
                            [stage], preset)
     return [r.__dict__ for r in results]
+
+
+@flow(name="selfsup-predict", persist_result=False, log_prints=True)
+def predict_flow(source: str, out: str, workdir: str = DEFAULT_WORKDIR,
+                 text_column: str | None = None, id_column: str | None = None,
+                 batch_size: int = 256) -> dict:
+    """Score a folder or table of new documents with a finished run's classifier; write the
+    predictions to `out` (.parquet/.jsonl/.csv) and a label-count summary artifact."""
+    outcome = run_predict(workdir, source, out, text_column=text_column, id_column=id_column,
+                          batch_size=batch_size)
+    if outcome.out is not None and len(outcome.rejects):
+        rejects_path = outcome.out.with_name(outcome.out.stem + ".rejects.csv")
+        write_predictions(outcome.rejects, rejects_path)
+    create_markdown_artifact(key="selfsup-predictions",
+                             markdown=label_counts_markdown(outcome, source, workdir),
+                             description="selfsup: label counts of a scoring run")
+    return {"read": outcome.read, "scored": len(outcome.predictions),
+            "rejected": len(outcome.rejects), "out": str(outcome.out),
+            "labels": outcome.predictions["label"].value_counts().to_dict()}

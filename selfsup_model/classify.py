@@ -81,8 +81,13 @@ def is_causal(backbone: keras.Model) -> bool:
 
 def encoder_inputs(backbone: keras.Model, windows: np.ndarray) -> np.ndarray:
     """Framed windows as this encoder expects them: [BOS] ... [EOS] for a causal encoder."""
+    return frame_windows(windows, is_causal(backbone))
+
+
+def frame_windows(windows: np.ndarray, causal: bool) -> np.ndarray:
+    """[CLS] ... [SEP] windows as int32, reframed [BOS] ... [EOS] when `causal`."""
     windows = np.asarray(windows, dtype=np.int32)
-    return causal_framing(windows) if is_causal(backbone) else windows
+    return causal_framing(windows) if causal else windows
 
 
 def build_pooling(pooling: str, backbone: keras.Model) -> keras.layers.Layer:

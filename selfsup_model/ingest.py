@@ -177,7 +177,7 @@ def iter_pydocs(cfg: IngestConfig) -> Iterator[RawRecord]:
         yield RawRecord(group, doc_id, text, label, group)
 
 
-def _judge(rec: RawRecord, cfg: IngestConfig) -> tuple[str | None, str | None, str]:
+def judge_record(rec: RawRecord, cfg: IngestConfig) -> tuple[str | None, str | None, str]:
     """(normalised text or None, reject reason or None, detail)."""
     if rec.error:
         return None, rec.error, rec.detail
@@ -222,7 +222,7 @@ def ingest_records(
     read = 0
     for rec in records:
         read += 1
-        text, reason, detail = _judge(rec, cfg)
+        text, reason, detail = judge_record(rec, cfg)
         digest = hashlib.blake2b(text.encode("utf-8"), digest_size=16).digest() if text else b""
         if reason is None and rec.id in seen_ids:
             reason, detail = "duplicate_id", f"id {rec.id!r} already used by an earlier document"

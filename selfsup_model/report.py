@@ -116,14 +116,20 @@ def write_report(
     context: Mapping[str, Any],
     predictions: pd.DataFrame | None = None,
     effects: Sequence[Mapping[str, Any]] = (),
+    kept_classifier: Mapping[str, Any] | None = None,
 ) -> list[str]:
-    """Write report.md, report.json and the plots into out_dir; return the file names written."""
+    """Write report.md, report.json and the plots into out_dir; return the file names written.
+
+    `kept_classifier` (method, fraction, val_macro_f1, ...) names the classifier the run hands
+    over; report.json carries it as is."""
     _check_results(results)
     out_dir = Path(out_dir)
     atomic_write_text(out_dir / "report.md", render_markdown(results, context, effects))
     payload = {"results": [_json_safe(dict(r)) for r in results],
                "pretraining_effect": [_json_safe(dict(e)) for e in effects],
                "context": _json_safe(dict(context))}
+    if kept_classifier is not None:
+        payload["kept_classifier"] = _json_safe(dict(kept_classifier))
     atomic_write_json(out_dir / "report.json", payload)
     written = ["report.md", "report.json", CURVE_PLOT]
     plot_fraction_curves(results, out_dir / CURVE_PLOT)

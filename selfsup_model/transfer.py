@@ -198,16 +198,30 @@ def train_neural_methods(data: LabelledData, methods: Sequence[NeuralMethod], cf
     return out, kept
 
 
+@dataclasses.dataclass(frozen=True)
+class ProbeFit:
+    """The probe selected at the largest label fraction: its logistic regression and the
+    standardisation it was fitted on (features are (x - mean) / scale)."""
+
+    model: Any  # sklearn LogisticRegression
+    mean: np.ndarray  # (d,)
+    scale: np.ndarray  # (d,)
+    val_macro_f1: float
+
+
 def frozen_probe(name: str, data: LabelledData, backbone_factory: BackboneFactory,
-                 cfg: FinetuneConfig) -> MethodResults:
+                 cfg: FinetuneConfig) -> tuple[MethodResults, ProbeFit | None]:
     """Logistic regression on the frozen encoder's pooled features (computed once, inference
-    mode, standardised on each training subset), C tuned on validation."""
+    mode, standardised on each training subset), C tuned on validation; also the fit at the
+    largest fraction."""
     t0 = time.perf_counter()
     backbone = backbone_factory()
     features = {split: frozen_features(backbone, data.splits[split].windows, cfg.pooling,
                                        cfg.eval_batch_size) for split in SPLITS}
-    return features_probe(name, data, features, cfg.probe_c, cfg, time.perf_counter() - t0,
-                          standardize=True)
+    fits: list[ProbeFit] = []
+    results = features_probe(name, data, features, cfg.probe_c, cfg, time.perf_counter() - t0,
+                             standardize=True, fits=fits)
+    return results, (fits[-1] if fits else None)
 
 
 def scratch_baselines(vocab_size: int, max_len: int, random_init: BackboneFactory | None,
@@ -252,23 +266,31 @@ def text_baselines(data: LabelledData, texts: pd.Series, baseline: BaselineConfi
 
 def features_probe(method: str, data: LabelledData, features: Mapping[str, np.ndarray],
                    c_grid: Sequence[float], finetune: FinetuneConfig,
-                   feature_time_s: float = 0.0, standardize: bool = False) -> MethodResults:
+                   feature_time_s: float = 0.0, standardize: bool = False,
+                   fits: list[ProbeFit] | None = None) -> MethodResults:
     """Logistic regression on fixed per-document features (split -> (n, d)), C tuned on validation.
 
     The features are computed once for all fractions; `feature_time_s`, their
     cost, is added to every fraction's training time and shown beside it. With
     `standardize`, each feature is centred and scaled by its mean and standard
-    deviation over the training subset (never validation or test).
+    deviation over the training subset (never validation or test). `fits`, when given,
+    receives the selected fit at the largest fraction (for handing the probe over).
     """
     out = MethodResults()
     train, val = data.splits["train"], data.splits["val"]
+    largest = max(finetune.fractions)
     for fraction, subset in label_subsets(data, finetune):
         x = {"train": features["train"][subset], "val": features["val"], "test": features["test"]}
+        dim = x["train"].shape[1]
+        mean, scale = np.zeros(dim, np.float32), np.ones(dim, np.float32)
         if standardize:
             mean, std = x["train"].mean(axis=0), x["train"].std(axis=0)
-            x = {split: (v - mean) / np.where(std > 0, std, 1.0) for split, v in x.items()}
+            scale = np.where(std > 0, std, 1.0).astype(np.float32)
+            x = {split: (v - mean) / scale for split, v in x.items()}
         res = logreg_on_features(x["train"], train.labels[subset], x["val"], val.labels,
                                  {"test": x["test"]}, c_grid, what=method)
+        if fits is not None and fraction == largest:
+            fits.append(ProbeFit(res.model, mean, scale, res.val_macro_f1))
         out.add(method, fraction, data, np.asarray(res.predictions["test"], dtype=str), {
             "n_train": len(subset), "val_macro_f1": res.val_macro_f1, "params": res.params,
             "train_time_s": round(res.fit_time_s + feature_time_s, 3),

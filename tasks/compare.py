@@ -35,6 +35,12 @@ def _training_summaries(inputs: dict[str, Path]) -> dict[tuple[str, float], dict
     return out
 
 
+def kept_classifier(spec_path: Path) -> dict | None:
+    """What finetune kept (method, fraction, val_macro_f1, selected, why), or None."""
+    spec = json.loads(spec_path.read_text("utf-8"))
+    return spec.get("kept")
+
+
 def report_context(ctx: RunContext, inputs: dict[str, Path], n_test: int) -> dict:
     """The numbers a reader needs beside the table: corpus, pretraining, audit, methods not run."""
     unavailable = json.loads(inputs["baseline/results.json"].read_text()).get("unavailable", {})
@@ -100,8 +106,13 @@ def compute(ctx: RunContext, out: Path, inputs: dict[str, Path]) -> StageOutput:
     for effect in effects:
         log.info("%s", effect_sentence(effect))
     n_test = predictions.groupby(["method", "fraction"]).size().max()
-    files = write_report(out, results, report_context(ctx, inputs, int(n_test)), predictions,
-                         effects)
+    kept = kept_classifier(inputs["finetune/classifier.json"])
+    context = report_context(ctx, inputs, int(n_test))
+    if kept is not None:
+        context["classifier handed over"] = (
+            f"{kept['method']} at label fraction {kept['fraction']:g} "
+            f"(validation macro-F1 {kept['val_macro_f1']:.3f}; {kept['why']})")
+    files = write_report(out, results, context, predictions, effects, kept)
     files.append(atomic_write_parquet(out / "predictions.parquet", predictions).name)
     with atomic_path(out / "pretrain_loss_curve.png") as tmp:
         shutil.copyfile(inputs["pretrain/loss_curve.png"], tmp)

@@ -1,11 +1,18 @@
 """finetune: the pretrained encoder as a frozen-feature linear probe, fully fine-tuned and \
-with staged unfreezing, at several label fractions."""
+with staged unfreezing, at several label fractions; hands over the one best on validation."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
-from selfsup_model.artifacts import save_keras_atomic
+from selfsup_model.inference import (
+    KeptCandidate,
+    choose_kept,
+    probe_classifier,
+    write_bundle,
+    write_no_classifier,
+)
 from selfsup_model.saving import load_keras_model
 from selfsup_model.transfer import (
     MethodResults,
@@ -24,25 +31,43 @@ def compute(ctx: RunContext, out: Path, inputs: dict[str, Path]) -> StageOutput:
     data = load_labelled(ctx.stage_dir("encode"), cfg.max_len)
     if data is None:
         reason = "the corpus has fewer than two labels in the training split"
-        return StageOutput(write_method_results(out, MethodResults(), skipped=reason),
-                           {"skipped": 1, "runs": 0})
+        files = write_method_results(out, MethodResults(), skipped=reason)
+        return StageOutput(files + write_no_classifier(out, reason), {"skipped": 1, "runs": 0})
     encoder_path = inputs["pretrain/encoder.keras"]
 
     def pretrained():  # a fresh copy per run: fine-tuning changes the weights it is given
         return load_keras_model(encoder_path)  # safe_mode=True
 
-    results = frozen_probe("pretrained_probe", data, pretrained, cfg) if "probe" in cfg.modes \
-        else MethodResults()
+    largest = max(cfg.fractions)
+    candidates = []
+    results = MethodResults()
+    if "probe" in cfg.modes:
+        results, fit = frozen_probe("pretrained_probe", data, pretrained, cfg)
+        if fit is not None:
+            candidates.append(KeptCandidate(
+                "pretrained_probe", largest, fit.val_macro_f1, {},
+                lambda: probe_classifier(pretrained(), cfg.pooling, fit.model, fit.mean,
+                                         fit.scale, data.classes)))
     methods = [NeuralMethod(f"pretrained_{mode}", mode, pretrained) for mode in cfg.modes
                if mode != "probe"]
     trained, kept = train_neural_methods(data, methods, cfg)
     results.extend(trained)
+    for name, res in kept.items():
+        candidates.append(KeptCandidate(name, largest, res.val_macro_f1, {},
+                                        lambda res=res: res.model))
     files = write_method_results(out, results, classes=data.classes)
-    if kept:
-        # The fine-tuned classifier this stage hands over: the best on validation at the
-        # largest label fraction (the linear probe has no Keras model to hand over).
-        best = max(kept.values(), key=lambda result: result.val_macro_f1)
-        save_keras_atomic(best.model, out / "classifier.keras")
-        files.append("classifier.keras")
-    return StageOutput(files, {**data.counts, "runs": len(results.summaries)},
-                       summary_metrics(results.summaries))
+    settings = {s["method"]: {**s.get("params", {}), **s.get("selected", {})}
+                for s in results.summaries if s["fraction"] == largest}
+    candidates = [dataclasses.replace(c, selected=settings[c.method]) for c in candidates]
+    counts = {**data.counts, "runs": len(results.summaries)}
+    metrics = summary_metrics(results.summaries)
+    if candidates:
+        chosen = choose_kept(candidates)
+        files += write_bundle(out, chosen, chosen.build(), inputs["tokenizer/tokenizer.json"],
+                              data.classes, ctx.config.encode, cfg.max_len, cfg.pooling,
+                              pretrained())
+        counts["kept_classifier"] = chosen.method
+        metrics["kept_classifier/val_macro_f1"] = chosen.val_macro_f1
+    else:
+        files += write_no_classifier(out, "no method of the pretrained encoder ran")
+    return StageOutput(files, counts, metrics)

@@ -66,8 +66,10 @@ PIPELINE: tuple[StageSpec, ...] = (
                                   "tokenizer/tokenizer.json"),
               sections=("model", "pretrain", "masks"),
               extra_params=lambda ctx: _init_source(ctx, "pretrain_model")),
-    StageSpec("finetune", inputs=("pretrain/encoder.keras", *LABELLED_INPUTS),
-              sections=("finetune",)),
+    # The tokenizer and the encode settings travel with the classifier it hands over.
+    StageSpec("finetune", inputs=("pretrain/encoder.keras", "tokenizer/tokenizer.json",
+                                  *LABELLED_INPUTS),
+              sections=("finetune", "encode")),
     # finetune's section: the same fractions, seed and training budget as the pretrained methods.
     StageSpec("baseline", inputs=("ingest/documents.parquet", "tokenizer/tokenizer.json",
                                   *LABELLED_INPUTS),
@@ -75,8 +77,8 @@ PIPELINE: tuple[StageSpec, ...] = (
     StageSpec("compare", inputs=(*(f"{stage}/{name}" for stage in ("finetune", "baseline")
                                    for name in ("predictions.parquet", "seed_predictions.parquet",
                                                 "results.json")),
-                                 "pretrain/history.json", "pretrain/loss_curve.png",
-                                 "split/audit.json"),
+                                 "finetune/classifier.json", "pretrain/history.json",
+                                 "pretrain/loss_curve.png", "split/audit.json"),
               sections=("compare",),
               # the report's context: pretraining budget, corpus size
               manifests=("pretrain", "encode")),
