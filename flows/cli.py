@@ -86,6 +86,28 @@ def build_parser() -> argparse.ArgumentParser:
                               ".csv/.jsonl/.parquet file")
     predict.add_argument("--batch-size", type=int, default=256, help="[default: %(default)s]")
 
+    fill = sub.add_parser(
+        "fill-mask", help="show what a masked-LM run predicts for each [MASK] in a text",
+        description="Top-k tokens and probabilities for each [MASK] in TEXT, from the run's "
+                    "pretrain_model.keras (pretrain.objective=mlm) and its tokenizer.")
+    fill.add_argument("text", help='e.g. "import the [MASK] module"')
+    fill.add_argument("--workdir", default=DEFAULT_WORKDIR, help="[default: %(default)s]")
+    fill.add_argument("--top-k", type=int, default=5, help="[default: %(default)s]")
+
+    gen = sub.add_parser(
+        "generate", help="continue a prompt with a causal-LM run",
+        description="Sample a continuation of PROMPT from the run's pretrain_model.keras "
+                    "(pretrain.objective=clm), one key/value-cached step per token, until "
+                    "[EOS], --max-new-tokens or the model's context length.")
+    gen.add_argument("prompt")
+    gen.add_argument("--workdir", default=DEFAULT_WORKDIR, help="[default: %(default)s]")
+    gen.add_argument("--max-new-tokens", type=int, default=50, help="[default: %(default)s]")
+    gen.add_argument("--temperature", type=float, default=1.0,
+                     help="0 = greedy [default: %(default)s]")
+    gen.add_argument("--top-k", type=int, default=None,
+                     help="sample among the k most likely tokens [default: all]")
+    gen.add_argument("--seed", type=int, default=0, help="[default: %(default)s]")
+
     ui = sub.add_parser("ui", help="start the MLflow UI on 127.0.0.1 for a workdir's run store")
     ui.add_argument("--workdir", default=DEFAULT_WORKDIR, help="[default: %(default)s]")
     ui.add_argument("--port", type=int, default=5000, help="[default: %(default)s]")
@@ -225,6 +247,43 @@ def _cmd_predict(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pretrained_model(workdir: str):
+    """The run's pretrain_model.keras and tokenizer, both verified against their manifests."""
+    with _native_startup_logs_held():
+        from selfsup_model.inference import verified_outputs
+        from selfsup_model.saving import load_keras_model
+        from selfsup_model.tokenization import load_tokenizer
+    model_path = verified_outputs(workdir, "pretrain", ["pretrain_model.keras"],
+                                  "pretrained model")[0]
+    tok_path = verified_outputs(workdir, "tokenizer", ["tokenizer.json"], "tokenizer")[0]
+    return load_keras_model(model_path), load_tokenizer(tok_path)
+
+
+def _cmd_fill_mask(args: argparse.Namespace) -> int:
+    if args.top_k < 1:
+        raise UserError(f"--top-k must be at least 1 (got {args.top_k})")
+    model, tokenizer = _pretrained_model(args.workdir)
+    from selfsup_model.generation import fill_mask
+
+    for n, candidates in enumerate(fill_mask(model, tokenizer, args.text, args.top_k), 1):
+        shown = "  ".join(f"{tokenizer.decode([c.token_id]) or c.token} {c.probability:.3f}"
+                          for c in candidates)
+        print(f"[MASK] {n}: {shown}")
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    model, tokenizer = _pretrained_model(args.workdir)
+    from selfsup_model.generation import generate
+
+    result = generate(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature,
+                      args.top_k, args.seed)
+    print(result.full_text)
+    print(f"({len(result.token_ids)} new tokens; stopped: {result.stop_reason})",
+          file=sys.stderr)
+    return 0
+
+
 def _report_rejects(rejects, read: int, shown: int = 20) -> None:
     """Every rejected input is accounted for on stderr: counts by reason and the first few."""
     if rejects.empty:
@@ -308,7 +367,8 @@ def _configure_logging() -> None:
 
 
 COMMANDS = {"run": _cmd_run, "stages": _cmd_stages, "report": _cmd_report,
-            "predict": _cmd_predict, "ui": _cmd_ui}
+            "predict": _cmd_predict, "fill-mask": _cmd_fill_mask, "generate": _cmd_generate,
+            "ui": _cmd_ui}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

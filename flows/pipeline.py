@@ -145,7 +145,9 @@ def predict_flow(source: str, out: str, workdir: str = DEFAULT_WORKDIR,
                  text_column: str | None = None, id_column: str | None = None,
                  batch_size: int = 256) -> dict:
     """Score a folder or table of new documents with a finished run's classifier; write the
-    predictions to `out` (.parquet/.jsonl/.csv) and a label-count summary artifact."""
+    predictions to `out` (.parquet/.jsonl/.csv; its folder is created) and a label-count
+    summary artifact."""
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
     outcome = run_predict(workdir, source, out, text_column=text_column, id_column=id_column,
                           batch_size=batch_size)
     if outcome.out is not None and len(outcome.rejects):

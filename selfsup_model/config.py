@@ -244,6 +244,10 @@ class PipelineConfig(_Section):
     """Everything that shapes a run's outputs."""
 
     experiment: str = "selfsup"
+    registered_model: str | None = Field(
+        "selfsup-classifier", min_length=1,
+        description="MLflow Model Registry name the kept classifier is registered under "
+                    "(null: log the model on the finetune run without registering it)")
     ingest: IngestConfig = IngestConfig()
     dedup: DedupConfig = DedupConfig()
     split: SplitConfig = SplitConfig()

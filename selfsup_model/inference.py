@@ -192,22 +192,32 @@ class ClassifierBundle:
         return np.concatenate(probs), np.concatenate(kept)
 
 
-def load_run_classifier(workdir: str | Path) -> ClassifierBundle:
-    """The classifier a finished finetune stage in `workdir` handed over, checked against the
-    stage's manifest (no manifest: the stage never finished, nothing there is trusted)."""
-    stage_dir = Path(workdir) / "finetune"
+def verified_outputs(workdir: str | Path, stage: str, names: Sequence[str],
+                     what: str) -> list[Path]:
+    """Paths of `names` in a finished stage of `workdir`, each checked against the sha256 its
+    manifest recorded (no manifest: the stage never finished, nothing there is trusted)."""
+    stage_dir = Path(workdir) / stage
     manifest = read_manifest(stage_dir)
     if manifest is None:
-        raise UserError(f"no finished classifier in {workdir}: its finetune stage has not "
-                        f"completed (run: selfsup run --workdir {workdir})")
-    if SPEC_FILE not in manifest.outputs:
-        raise UserError(f"the finetune stage in {workdir} predates classifier bundles; rerun "
-                        f"it: selfsup run --workdir {workdir} --from finetune")
-    changed = [name for name in verify_outputs(stage_dir, manifest) if name in BUNDLE_FILES]
+        raise UserError(f"no {what} in {workdir}: its {stage} stage has not completed "
+                        f"(run: selfsup run --workdir {workdir})")
+    absent = [name for name in names if name not in manifest.outputs]
+    if absent:
+        raise UserError(f"the {stage} stage in {workdir} wrote no {', '.join(absent)} (an older "
+                        f"selfsup); rerun it: selfsup run --workdir {workdir} --from {stage}")
+    changed = [name for name in verify_outputs(stage_dir, manifest) if name in names]
     if changed:
         raise ArtifactError(f"{', '.join(changed)} in {stage_dir} changed after the run wrote "
-                            f"them; rerun: selfsup run --workdir {workdir} --from finetune")
-    return ClassifierBundle.load(stage_dir)
+                            f"them; rerun: selfsup run --workdir {workdir} --from {stage}")
+    return [stage_dir / name for name in names]
+
+
+def load_run_classifier(workdir: str | Path) -> ClassifierBundle:
+    """The classifier a finished finetune stage in `workdir` handed over, verified."""
+    spec_path = verified_outputs(workdir, "finetune", [SPEC_FILE], "finished classifier")[0]
+    read_spec(spec_path.parent)  # a run without a classifier says why
+    verified_outputs(workdir, "finetune", BUNDLE_FILES, "finished classifier")
+    return ClassifierBundle.load(spec_path.parent)
 
 
 def read_spec(directory: str | Path) -> dict[str, Any]:

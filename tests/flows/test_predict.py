@@ -118,3 +118,34 @@ def test_predict_flow_writes_predictions_rejects_and_a_summary(tiny_run, tmp_pat
     assert len(pd.read_parquet(out)) == 3
     rejects = pd.read_csv(tmp_path / "scored.rejects.csv")
     assert rejects[["id", "reason"]].values.tolist() == [["broken.txt", "binary"]]
+
+
+def test_fill_mask_prints_top_k_per_mask_and_generate_refuses_a_masked_lm(tiny_run, capsys):
+    wd, _, _ = tiny_run
+    assert main(["fill-mask", "the [MASK] module parses [MASK] messages", "--workdir", str(wd),
+                 "--top-k", "3"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [line.split(":")[0] for line in lines] == ["[MASK] 1", "[MASK] 2"]
+    probs = [float(word) for word in lines[0].split(":", 1)[1].split()[1::2]]
+    assert len(probs) == 3 and probs == sorted(probs, reverse=True)
+    assert main(["generate", "import", "--workdir", str(wd)]) == 2
+    assert "needs a causal-LM run" in capsys.readouterr().err
+
+
+def test_generate_on_a_causal_run_and_fill_mask_refuses_it(tiny_run, tmp_path, capsys):
+    import shutil
+
+    reference, _, _ = tiny_run
+    wd = tmp_path / "clm"
+    shutil.copytree(reference, wd, ignore=shutil.ignore_patterns(
+        "pretrain", "finetune", "baseline", "compare", "mlflow.db", "mlartifacts"))
+    assert main(["run", "--workdir", str(wd), "--to", "pretrain", "--no-tracking",
+                 "--set", "pretrain.objective=clm"]) == 0
+    capsys.readouterr()
+    assert main(["generate", "the email", "--workdir", str(wd), "--max-new-tokens", "5",
+                 "--temperature", "0"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.strip().startswith("the email")
+    assert "stopped: " in captured.err
+    assert main(["fill-mask", "the [MASK]", "--workdir", str(wd)]) == 2
+    assert "needs a masked-LM run" in capsys.readouterr().err

@@ -2,7 +2,8 @@
 `prefect deploy --all`.
 
 Triggers the scheduled pipeline deployment with the tiny preset, waits for Completed, then
-triggers the single-stage rerun deployment and checks that exactly that stage ran again.
+triggers the single-stage rerun deployment and checks that exactly that stage ran again, then
+scores a folder of new documents with the batch-scoring deployment.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -93,6 +95,8 @@ def test_deploy_schedule_and_rerun_one_stage(prefect_server, tmp_path):
     _prefect(env, "deploy", "--all")
     listed = _prefect(env, "deployment", "ls")
     assert "weekly" in listed and "rerun-stage" in listed
+    scoring = _prefect(env, "deployment", "inspect", "selfsup-predict/nightly-scoring")
+    assert "'active': False" in scoring  # the nightly schedule ships paused
 
     workdir = tmp_path / "wd"
     run = _run_and_wait(env, "selfsup-pipeline/weekly", {"preset": "tiny", "workdir": str(workdir)})
@@ -107,3 +111,16 @@ def test_deploy_schedule_and_rerun_one_stage(prefect_server, tmp_path):
     after = {p.parent.name: json.loads(p.read_text())["finished_at"]
              for p in workdir.glob("*/manifest.json")}
     assert [name for name in after if after[name] != before[name]] == ["masks"]
+
+    inbox = tmp_path / "incoming"
+    inbox.mkdir()
+    (inbox / "a.txt").write_text("Parse an email message from a bytes object.", encoding="utf-8")
+    (inbox / "b.txt").write_text("Run the unit tests and report each failure.", encoding="utf-8")
+    (inbox / "empty.txt").write_text("", encoding="utf-8")
+    out = tmp_path / "scored" / "latest.parquet"
+    scored = _run_and_wait(env, "selfsup-predict/nightly-scoring",
+                           {"source": str(inbox), "out": str(out), "workdir": str(workdir)})
+    assert scored["state"]["type"] == "COMPLETED", scored["state"]
+    assert out.is_file() and (tmp_path / "scored" / "latest.rejects.csv").is_file()
+    assert len(pd.read_parquet(out)) == 2
+    assert "selfsup-predictions" in _prefect(env, "artifact", "ls")
