@@ -301,10 +301,20 @@ def _report_rejects(rejects, read: int, shown: int = 20) -> None:
 def _cmd_ui(args: argparse.Namespace) -> int:
     import subprocess
 
-    from flows.tracking import default_tracking_uri
+    from mlflow.tracking import MlflowClient
+
+    from flows.settings import read_settings
+    from flows.tracking import default_tracking_uri, ui_url
 
     uri = default_tracking_uri(Path(args.workdir))
-    print(f"MLflow UI for {uri} at http://127.0.0.1:{args.port}  (Ctrl-C to stop)", flush=True)
+    base = f"http://127.0.0.1:{args.port}"
+    print(f"MLflow UI for {uri} at {base}  (Ctrl-C to stop)", flush=True)
+    settings = read_settings(args.workdir)
+    experiment = MlflowClient(uri).get_experiment_by_name(
+        settings.config.experiment if settings else "selfsup")
+    if experiment is not None:
+        # MLflow 3.17's UI opens an experiment on GenAI traces unless the link asks for runs.
+        print(f"Runs:    {ui_url(base, experiment.experiment_id)}", flush=True)
     cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri,
            "--host", "127.0.0.1", "--port", str(args.port)]
     return subprocess.call(cmd)

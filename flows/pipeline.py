@@ -25,8 +25,12 @@ log = logging.getLogger("selfsup.pipeline")
 
 def resolve_config(preset: str, config: PipelineConfig | None, overrides: list[str],
                    config_file: str | None = None) -> PipelineConfig:
-    """A given config wins over the preset; the YAML file, then overrides, apply on top."""
+    """A given config wins over the preset; the YAML file, then overrides, apply on top.
+    "custom" labels a given config (e.g. a workdir's stored one) and needs one."""
     if config is None:
+        if preset == "custom":
+            raise UserError("preset 'custom' names a given config; pass config, or choose "
+                            "tiny, demo or base")
         return build_config(preset, config_file, overrides)
     if config_file:
         raise UserError("pass either a config object or a config file, not both")
@@ -69,7 +73,8 @@ def run_pipeline(
             tracker.log_params(parent, flatten("", config.model_dump(mode="json")))
         ctx = RunContext(workdir=wd, config=config, corpus=str(corpus), corpus_format=corpus_format,
                          force=frozenset(force),
-                         tracking=PipelineTracking(tracker, parent) if tracker else None)
+                         tracking=(PipelineTracking(tracker, parent, config.registered_model)
+                                   if tracker else None))
         tasks = stage_tasks()
         results: list[StageResult] = []
         try:
@@ -103,7 +108,7 @@ def pipeline_flow(
     corpus: str = "pydocs",
     corpus_format: CorpusFormat = "auto",
     workdir: str = DEFAULT_WORKDIR,
-    preset: Literal["tiny", "demo", "base"] = "demo",
+    preset: Literal["tiny", "demo", "base", "custom"] = "demo",
     config: PipelineConfig | None = None,
     overrides: list[str] | None = None,
     only: str | None = None,
@@ -129,7 +134,7 @@ def stage_flow(
     workdir: str = DEFAULT_WORKDIR,
     corpus: str = "pydocs",
     corpus_format: CorpusFormat = "auto",
-    preset: Literal["tiny", "demo", "base"] = "demo",
+    preset: Literal["tiny", "demo", "base", "custom"] = "demo",
     config: PipelineConfig | None = None,
     overrides: list[str] | None = None,
 ) -> list[dict[str, Any]]:

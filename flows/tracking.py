@@ -7,6 +7,8 @@ run id, so Prefect's task threads and a resumed run cannot log to the wrong plac
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import math
 import os
@@ -15,16 +17,33 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from mlflow.entities import Metric, Param, RunTag
+from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
+from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 
 from selfsup_model.artifacts import StageManifest
+from selfsup_model.config import SPLITS
 from selfsup_model.errors import UserError
 
 log = logging.getLogger("selfsup.tracking")
 
 _PARAM_MAX = 6000
 _BATCH = 900  # MLflow accepts at most 1000 metrics per log_batch call
+
+# The experiment kind the MLflow 3 UI's own kind selector writes; "custom_model_development" is its
+# "Machine learning" kind (runs, not GenAI traces). Set on create and on an existing experiment.
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"
+# MLflow 3.17's UI ignores that tag: it picks the experiment's landing tab from the browser's
+# "GenAI / Model training" toggle (default GenAI -> Traces), which a link can set with this query.
+UI_QUERY = "workflowType=machine_learning"
+
+
+def ui_url(base: str, experiment_id: str, run_id: str | None = None) -> str:
+    """A link into the MLflow UI at `base` that opens as a model-training experiment (runs list)
+    or, given `run_id`, on that run's page."""
+    page = f"/runs/{run_id}" if run_id else ""
+    return f"{base.rstrip('/')}/#/experiments/{experiment_id}{page}?{UI_QUERY}"
 
 
 def default_tracking_uri(workdir: str | os.PathLike) -> str:
@@ -74,10 +93,14 @@ class Tracker:
             ) from None
         if found is not None:
             self.experiment_id = found.experiment_id
+            if found.tags.get(EXPERIMENT_KIND_TAG) != EXPERIMENT_KIND:
+                self.client.set_experiment_tag(self.experiment_id, EXPERIMENT_KIND_TAG,
+                                               EXPERIMENT_KIND)
         else:
             location = artifact_root.resolve().as_uri() if artifact_root else None
-            self.experiment_id = self.client.create_experiment(experiment,
-                                                               artifact_location=location)
+            self.experiment_id = self.client.create_experiment(
+                experiment, artifact_location=location,
+                tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
 
     def start_run(self, name: str, tags: Mapping[str, str], parent_id: str | None = None) -> str:
         tags = dict(tags)
@@ -104,6 +127,9 @@ class Tracker:
                      artifact_path: str | None = None) -> None:
         self.client.log_artifact(run_id, str(path), artifact_path)
 
+    def log_inputs(self, run_id: str, datasets: list[DatasetInput]) -> None:
+        self.client.log_inputs(run_id, datasets=datasets)
+
     def end_run(self, run_id: str, status: str = "FINISHED") -> None:
         self.client.set_terminated(run_id, status=status)
 
@@ -123,8 +149,10 @@ class PipelineTracking:
     name), with a `stage.<name>` tag saying whether it ran or was skipped.
     """
 
-    def __init__(self, tracker: Tracker, parent_run_id: str):
+    def __init__(self, tracker: Tracker, parent_run_id: str,
+                 registered_model: str | None = None):
         self.tracker, self.parent = tracker, parent_run_id
+        self.registered_model = registered_model
 
     def stage_started(self, stage: str, params: dict[str, Any], reason: str) -> str:
         run_id = self.tracker.start_run(stage, {"selfsup.stage": stage,
@@ -143,6 +171,10 @@ class PipelineTracking:
         self.tracker.log_artifact(run, manifest_path, "manifests")
         for path in artifacts:
             self.tracker.log_artifact(run, path, manifest.stage)
+        # the workdir is <workdir>/<stage>/manifest.json's grandparent (DESIGN.md's layout)
+        datasets = split_datasets(manifest.stage, manifest_path.parent.parent)
+        if datasets:
+            self.tracker.log_inputs(run, datasets)
         self.tracker.end_run(run, "FINISHED")
         self._note_on_parent(manifest, "ran")
 
@@ -159,6 +191,84 @@ class PipelineTracking:
     def publish_metrics(self, metrics: dict[str, float]) -> None:
         self.tracker.log_metrics(self.parent, metrics)
 
+    def log_classifier(self, run: str, bundle_dir: Path) -> None:
+        from flows.model_registry import log_classifier
+
+        uri, version = log_classifier(self.tracker.tracking_uri, run, bundle_dir,
+                                      self.registered_model)
+        tags = {"selfsup.classifier_uri": uri}
+        if version is not None:
+            tags["selfsup.registered_model"] = f"models:/{self.registered_model}/{version}"
+        self.tracker.set_tags(run, tags)
+        self.tracker.set_tags(self.parent, tags)
+
     def _note_on_parent(self, manifest: StageManifest, status: str) -> None:
         self.tracker.set_tags(self.parent, {f"stage.{manifest.stage}": status})
         self.tracker.log_metrics(self.parent, numeric_items(manifest.counts, f"{manifest.stage}."))
+
+
+# The splits each stage's run reads, as MLflow dataset inputs: (table, splits). Before encode a
+# split is its rows of the split stage's assignments; from encode on it is encode's per-split
+# document table (row i <-> doc_offsets[i]; documents with no tokens dropped), which is what the
+# windows, masks and labelled data are made of.
+_ASSIGNED = "split/assignments.parquet"
+_ENCODED = "encode/{split}_docs.parquet"
+STAGE_SPLITS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "tokenizer": (_ASSIGNED, ("train", "val")),  # fitted on train, unk rate measured on val
+    "encode": (_ASSIGNED, SPLITS),
+    "masks": (_ENCODED, ("val",)),
+    "pretrain": (_ENCODED, ("train", "val")),  # val through the static val masks
+    "finetune": (_ENCODED, SPLITS),
+    "baseline": (_ENCODED, SPLITS),
+    "compare": (_ENCODED, ("test",)),  # scores every method's test-split predictions
+}
+SPLIT_CONTEXT = {"train": "training", "val": "validation", "test": "test"}
+_DATASETS: dict[tuple[str, int, int, str], Dataset] = {}
+
+
+def split_datasets(stage: str, workdir: Path) -> list[DatasetInput]:
+    """The MLflow dataset inputs of `stage`'s run: one per split it reads (none for other stages),
+    named after the split, with an `mlflow.data.context` tag (training / validation / test)."""
+    table, splits = STAGE_SPLITS.get(stage, ("", ()))
+    return [DatasetInput(split_dataset(workdir / table.format(split=split), split),
+                         [InputTag(MLFLOW_DATASET_CONTEXT, SPLIT_CONTEXT[split])])
+            for split in splits]
+
+
+def split_dataset(path: Path, split: str) -> Dataset:
+    """One split's rows of a parquet table as an MLflow dataset: source = the file, profile = its
+    row count, digest = `frame_digest` of those rows. Only the small key columns are read (id and
+    label, or id and group before encode), never the text; memoised per file version."""
+    import mlflow.data
+    import pandas as pd
+    from mlflow.data.dataset_source_registry import get_dataset_source_from_json
+
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns, split)
+    if key in _DATASETS:
+        return _DATASETS[key]
+    if path.name == Path(_ASSIGNED).name:
+        rows = pd.read_parquet(path, columns=["id", "group"], filters=[("split", "==", split)])
+        targets = None
+    else:
+        rows, targets = pd.read_parquet(path, columns=["id", "label"]), "label"
+    source = get_dataset_source_from_json(json.dumps({"uri": str(path.resolve())}), "local")
+    # MLflow infers the schema value by value (~10 s per million rows): infer it on a sample and
+    # state the profile of the whole split.
+    info = mlflow.data.from_pandas(rows.head(1000), source=source, targets=targets, name=split,
+                                   digest=frame_digest(rows)).to_dict()
+    info["profile"] = json.dumps({"num_rows": len(rows), "num_elements": int(rows.size)})
+    _DATASETS[key] = Dataset(info["name"], info["digest"], info["source_type"], info["source"],
+                             info.get("schema"), info["profile"])
+    return _DATASETS[key]
+
+
+def frame_digest(rows) -> str:
+    """16 hex digits of sha256 over the column names and every row's pandas hash, in order: the
+    same rows give the same digest (so MLflow shows one dataset across runs); any change, a new
+    one. (MLflow's default digest hashes only the first 10,000 rows.)"""
+    import pandas as pd
+
+    digest = hashlib.sha256("\0".join(map(str, rows.columns)).encode())
+    digest.update(pd.util.hash_pandas_object(rows, index=False).to_numpy().tobytes())
+    return digest.hexdigest()[:16]

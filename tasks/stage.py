@@ -61,6 +61,8 @@ class StageTracking(Protocol):
 
     def publish_metrics(self, metrics: dict[str, float]) -> None: ...
 
+    def log_classifier(self, run: str, bundle_dir: Path) -> None: ...
+
 
 @dataclasses.dataclass(frozen=True)
 class StageSpec:
@@ -106,6 +108,12 @@ class RunContext:
         """Log headline numbers on the pipeline's tracked run (nothing happens when untracked)."""
         if self.tracking is not None:
             self.tracking.publish_metrics(metrics)
+
+    def log_classifier(self, bundle_dir: Path) -> None:
+        """Log the classifier bundle in `bundle_dir` as a model of the current stage's run (and
+        register it); nothing happens when untracked."""
+        if self.tracking is not None and self.stage_run is not None:
+            self.tracking.log_classifier(self.stage_run, bundle_dir)
 
     def stage_dir(self, stage: str) -> Path:
         return self.workdir / stage

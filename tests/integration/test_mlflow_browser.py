@@ -1,5 +1,7 @@
-"""Review in a real browser: `selfsup ui` over a tiny run's store, the parent run page in
-headless Chromium.
+"""Review in a real browser: `selfsup ui` over a tiny run's store, in headless Chromium: the
+experiment opens on its runs list, the parent run page shows metrics and the report, a stage run's
+page lists the splits it read as datasets, and the kept classifier shows as a logged model of the
+finetune run and as a registered model.
 
 Needs Debian's chromium and chromium-driver (.ci/run installs them). Without them the test is
 skipped, unless SELFSUP_REQUIRE_BROWSER=1 (set by CI), where a missing browser is a failure.
@@ -7,6 +9,7 @@ skipped, unless SELFSUP_REQUIRE_BROWSER=1 (set by CI), where a missing browser i
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -18,6 +21,8 @@ from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
+
+from flows.tracking import ui_url
 
 pytestmark = pytest.mark.browser
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,8 +44,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def mlflow_ui(tiny_run):
+    """One MLflow UI for this module's tests (it takes tens of seconds to start)."""
+    _require_browser()
     wd, uri, _ = tiny_run
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
@@ -119,3 +126,83 @@ def test_parent_run_page_shows_metrics_and_report(mlflow_ui, tmp_path):
     finally:
         driver.quit()
     assert (tmp_path / "mlflow-run.png").stat().st_size > 10_000
+
+
+def _runs(uri: str):
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name("selfsup")
+    return client, exp, client.search_runs([exp.experiment_id])
+
+
+def test_experiment_opens_on_the_runs_list(mlflow_ui, tmp_path):
+    """Not on the GenAI traces overview: the experiment is a model-training one."""
+    _require_browser()
+    url, uri = mlflow_ui
+    _, exp, runs = _runs(uri)
+    parent = next(r for r in runs if "mlflow.parentRunId" not in r.data.tags)
+    driver = _browser()
+    try:
+        driver.get(ui_url(url, exp.experiment_id))
+        body = _wait_for_text(driver, [parent.info.run_name, "matching runs"])
+        driver.save_screenshot(str(tmp_path / "mlflow-experiment.png"))
+        assert f"/experiments/{exp.experiment_id}/runs" in driver.current_url
+        assert "workflowType=machine_learning" in driver.current_url
+        assert "No data available for the selected time range" not in body
+    finally:
+        driver.quit()
+
+
+def test_stage_run_page_lists_the_splits_it_read(mlflow_ui, tmp_path):
+    _require_browser()
+    url, uri = mlflow_ui
+    client, exp, runs = _runs(uri)
+    finetune = client.get_run(next(r.info.run_id for r in runs
+                                   if r.data.tags.get("selfsup.stage") == "finetune"))
+    datasets = {i.dataset.name: i.dataset for i in finetune.inputs.dataset_inputs}
+    assert set(datasets) == {"train", "val", "test"}
+    train = f"train ({datasets['train'].digest})"
+    driver = _browser()
+    try:
+        driver.get(ui_url(url, exp.experiment_id, finetune.info.run_id))
+        body = _wait_for_text(driver, ["Datasets", train, "Training"])
+        about = body[body.index("About this run"):]
+        assert about.split("\nDatasets\n", 1)[1].startswith(train), about[:600]  # not "None"
+        # the dataset drawer: every split, its context, digest, size and source file
+        driver.find_elements("xpath", f"//*[contains(normalize-space(.), '{train}')]")[-1].click()
+        rows = json.loads(datasets["train"].profile)["num_rows"]
+        _wait_for_text(driver, ["3 datasets used", train, "Training",
+                                f"val ({datasets['val'].digest})", "Validation",
+                                f"test ({datasets['test'].digest})", "Test",
+                                f"num rows: {rows}", "train_docs.parquet"])
+        driver.save_screenshot(str(tmp_path / "mlflow-datasets.png"))
+    finally:
+        driver.quit()
+
+
+def test_the_kept_classifier_shows_as_a_logged_and_registered_model(mlflow_ui, tmp_path):
+    _require_browser()
+    url, uri = mlflow_ui
+    client, exp, runs = _runs(uri)
+    finetune = next(r for r in runs if r.data.tags.get("selfsup.stage") == "finetune")
+    (model,) = client.search_logged_models(experiment_ids=[exp.experiment_id])
+    assert model.source_run_id == finetune.info.run_id and model.status == "READY"
+    version = finetune.data.tags["selfsup.registered_model"].rsplit("/", 1)[1]
+    driver = _browser()
+    try:
+        # the finetune run's page: its logged model in "Logged models (1)", and the registered
+        # version under "Registered models" in "About this run" (not "None")
+        driver.get(ui_url(url, exp.experiment_id, finetune.info.run_id))
+        body = _wait_for_text(driver, ["Logged models (1)",
+                                       f"Registered models\nselfsup-classifier\nv{version}"])
+        logged = body[body.index("Logged models (1)"):][:400]  # the table's header and row
+        assert "classifier" in logged and "Ready" in logged, logged
+        driver.save_screenshot(str(tmp_path / "mlflow-finetune-run.png"))
+        # the experiment's Models tab: the logged model, ready, logged from the finetune run
+        driver.get(f"{url}/#/experiments/{exp.experiment_id}/models?workflowType=machine_learning")
+        _wait_for_text(driver, ["classifier", "Ready", "finetune", "selfsup-classifier"])
+        driver.save_screenshot(str(tmp_path / "mlflow-models.png"))
+        # the Model Registry page
+        driver.get(f"{url}/#/models")
+        _wait_for_text(driver, ["Registered Models", "selfsup-classifier", f"Version {version}"])
+    finally:
+        driver.quit()

@@ -123,4 +123,5 @@ def test_deploy_schedule_and_rerun_one_stage(prefect_server, tmp_path):
     assert scored["state"]["type"] == "COMPLETED", scored["state"]
     assert out.is_file() and (tmp_path / "scored" / "latest.rejects.csv").is_file()
     assert len(pd.read_parquet(out)) == 2
-    assert "selfsup-predictions" in _prefect(env, "artifact", "ls")
+    summary = _prefect(env, "artifact", "inspect", "selfsup-predictions", "-o", "json")
+    assert "3 documents read" in summary and "| label | documents |" in summary

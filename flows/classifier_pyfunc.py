@@ -1,0 +1,47 @@
+"""The kept classifier as an MLflow pyfunc model, logged as "models from code".
+
+MLflow runs this file when it loads the model (nothing of ours is pickled). Its
+artifacts are the bundle the finetune stage wrote (see
+`selfsup_model.inference`): classifier.keras, tokenizer.json, classifier.json.
+Loading checks their sha256 against classifier.json and opens the Keras file
+with `safe_mode=True`.
+
+    model = mlflow.pyfunc.load_model("models:/selfsup-classifier/1")
+    model.predict(pd.DataFrame({"text": ["a new document"]}))
+    # -> DataFrame: label, probability, p_<class> per class
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlflow
+import pandas as pd
+from mlflow.pyfunc import PythonModel
+
+
+class SelfsupClassifier(PythonModel):
+    def load_context(self, context):
+        from selfsup_model.inference import SPEC_FILE, ClassifierBundle
+
+        self.bundle = ClassifierBundle.load(Path(context.artifacts[SPEC_FILE]).parent)
+
+    def predict(self, context, model_input: pd.DataFrame, params=None) -> pd.DataFrame:
+        if not isinstance(model_input, pd.DataFrame) or "text" not in model_input.columns:
+            raise ValueError("input must be a table with a 'text' column")
+        texts = ["" if t is None else str(t) for t in model_input["text"].tolist()]
+        probs, kept = self.bundle.predict_proba(texts)
+        if len(kept) < len(texts):
+            missing = sorted(set(range(len(texts))) - set(kept.tolist()))
+            raise ValueError(f"rows {missing[:20]} have no text to classify (empty after "
+                             "normalisation or no tokens)")
+        classes = self.bundle.classes
+        best = probs.argmax(axis=1)
+        out = pd.DataFrame({"label": [classes[k] for k in best],
+                            "probability": probs[range(len(best)), best]})
+        for k, name in enumerate(classes):
+            out[f"p_{name}"] = probs[:, k]
+        return out
+
+
+mlflow.models.set_model(SelfsupClassifier())

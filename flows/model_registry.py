@@ -1,0 +1,99 @@
+"""Logging the kept classifier as an MLflow model and registering it.
+
+The model is `flows/classifier_pyfunc.py` (models from code) with the bundle's
+three files as artifacts, our package as its code, a signature (a `text`
+column in; label, probability and one p_<class> column per class out) and an
+input example. It is logged into the finetune stage's run and registered as a
+new version of the configured registered model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import keras
+import mlflow
+import pandas as pd
+from mlflow.models import Model, ModelSignature
+from mlflow.tracking import MlflowClient
+from mlflow.types import ColSpec, Schema
+
+import selfsup_model
+from selfsup_model.inference import BUNDLE_FILES, read_spec
+
+log = logging.getLogger("selfsup.tracking")
+
+MODEL_CODE = Path(__file__).with_name("classifier_pyfunc.py")
+_PROGRESS_BAR = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
+EXAMPLE_TEXT = "A new document to classify, as plain text."
+
+
+def classifier_signature(classes: list[str]) -> ModelSignature:
+    outputs = [ColSpec("string", "label"), ColSpec("float", "probability"),
+               *(ColSpec("float", f"p_{name}") for name in classes)]
+    return ModelSignature(inputs=Schema([ColSpec("string", "text")]), outputs=Schema(outputs))
+
+
+def requirements() -> list[str]:
+    """What loading the model needs, pinned to the versions that trained it."""
+    dists = ["mlflow", "keras", "tokenizers", "numpy", "pandas", "pydantic", "pyarrow"]
+    backend = keras.backend.backend()
+    dists += {"tensorflow": ["tensorflow-cpu", "tensorflow"], "jax": ["jax"]}.get(backend, [])
+    pins = []
+    for dist in dists:
+        try:
+            pins.append(f"{dist}=={importlib.metadata.version(dist)}")
+        except importlib.metadata.PackageNotFoundError:
+            continue  # e.g. tensorflow when tensorflow-cpu provides the backend
+    return pins
+
+
+@contextlib.contextmanager
+def _tracking_uri(uri: str) -> Iterator[None]:
+    """MLflow's model logging reads the process-wide URI; point it at our store meanwhile (the
+    one place selfsup touches MLflow's global state; runs are still named by id)."""
+    before, bar = mlflow.get_tracking_uri(), os.environ.get(_PROGRESS_BAR)
+    mlflow.set_tracking_uri(uri)
+    os.environ[_PROGRESS_BAR] = "false"  # no download bars in the run's log
+    try:
+        yield
+    finally:
+        mlflow.set_tracking_uri(before)
+        if bar is None:
+            os.environ.pop(_PROGRESS_BAR, None)
+        else:
+            os.environ[_PROGRESS_BAR] = bar
+
+
+def log_classifier(tracking_uri: str, run_id: str, bundle_dir: Path,
+                   registered_name: str | None) -> tuple[str, str | None]:
+    """Log the bundle in `bundle_dir` into `run_id`; register it under `registered_name` (None:
+    log only). Returns (model URI, registered version or None)."""
+    spec = read_spec(bundle_dir)
+    client = MlflowClient(tracking_uri)
+    # Created here, in the run's experiment: left to itself, MLflow would file the model under
+    # the process's active (by default the "Default") experiment and its artifact root.
+    model = client.create_logged_model(
+        experiment_id=client.get_run(run_id).info.experiment_id, name="classifier",
+        source_run_id=run_id, tags={"selfsup.kept_method": spec["kept"]["method"]})
+    with _tracking_uri(tracking_uri):
+        info = Model.log(
+            artifact_path=None, name="classifier", flavor=mlflow.pyfunc, run_id=run_id,
+            model_id=model.model_id,
+            python_model=str(MODEL_CODE),
+            artifacts={name: str(Path(bundle_dir) / name) for name in BUNDLE_FILES},
+            code_paths=[str(Path(selfsup_model.__file__).parent)],
+            pip_requirements=requirements(),
+            signature=classifier_signature(spec["classes"]),
+            input_example=pd.DataFrame({"text": [EXAMPLE_TEXT]}),
+            registered_model_name=registered_name,
+        )
+    version = info.registered_model_version
+    log.info("logged the classifier (%s) as %s%s", spec["kept"]["method"], info.model_uri,
+             f"; registered as {registered_name} version {version}" if version else "")
+    return info.model_uri, (str(version) if version is not None else None)
