@@ -19,7 +19,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def readme_commands() -> list[list[str]]:
-    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.DOTALL)
+    return readme_commands_in((ROOT / "README.md").read_text())
+
+
+def readme_commands_in(text: str) -> list[list[str]]:
+    blocks = re.findall(r"```bash\n(.*?)```", text, flags=re.DOTALL)
     commands = []
     for line in "\n".join(blocks).splitlines():
         line = line.split(" #")[0].strip()
@@ -60,4 +64,18 @@ def test_prefect_subcommands_exist():
         sub = [w for w in words[1:] if not w.startswith("-")][:2]
         out = subprocess.run([sys.executable, "-m", "prefect", *sub, "--help"], capture_output=True,
                              text=True, check=False, timeout=120)
+        assert out.returncode == 0, (words, out.stderr[-500:])
+
+
+def test_use_the_model_shows_each_way_to_use_a_run():
+    section = (ROOT / "README.md").read_text().split("## Use the model", 1)[1].split("\n## ")[0]
+    shown = {c[1] for c in readme_commands_in(section) if Path(c[0]).name == "selfsup"}
+    assert {"predict", "fill-mask", "generate"} <= shown
+    assert "models:/selfsup-classifier/" in section
+
+
+def test_mlflow_subcommands_exist():
+    for words in {tuple(c[:3]) for c in COMMANDS if c[0] == "mlflow"}:
+        out = subprocess.run([sys.executable, "-m", "mlflow", *words[1:3], "--help"],
+                             capture_output=True, text=True, check=False, timeout=120)
         assert out.returncode == 0, (words, out.stderr[-500:])

@@ -1,0 +1,72 @@
+"""Scoring throughput of a finished run's classifier (`selfsup predict`'s path), in documents/s.
+
+    .venv/bin/python benchmarks/predict.py --workdir data/runs/default
+    .venv/bin/python benchmarks/predict.py --workdir W --docs 4000 --json
+
+Scores the run's own documents (repeated up to --docs) as new text: reading is
+done once up front, then each batch size is timed end to end over the same
+documents (normalisation, tokenisation, first windows, the classifier, softmax),
+best of --repeats. The tokenisation share is timed on its own. The model is
+loaded once, outside the timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import pandas as pd
+
+from selfsup_model.config import IngestConfig
+from selfsup_model.inference import load_run_classifier
+from selfsup_model.ingest import RawRecord
+from selfsup_model.scoring import judge_inputs, score
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workdir", default="data/runs/default")
+    ap.add_argument("--docs", type=int, default=2000)
+    ap.add_argument("--batch-sizes", default="1,32,256")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+
+    bundle = load_run_classifier(args.workdir)
+    texts = pd.read_parquet(f"{args.workdir}/ingest/documents.parquet", columns=["text"])["text"]
+    texts = (texts.tolist() * (args.docs // len(texts) + 1))[: args.docs]
+    inputs = judge_inputs((RawRecord(str(i), str(i), t) for i, t in enumerate(texts)),
+                          IngestConfig())
+    t0 = time.perf_counter()
+    bundle.encode_texts(inputs.documents["text"].tolist())
+    encode_s = time.perf_counter() - t0
+    rows = []
+    for batch_size in (int(b) for b in args.batch_sizes.split(",")):
+        score(bundle, inputs, batch_size)  # warm-up: traces the predict function for this shape
+        best = float("inf")
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            predictions, _ = score(bundle, inputs, batch_size)
+            best = min(best, time.perf_counter() - t0)
+        rows.append({"batch_size": batch_size, "docs": len(predictions),
+                     "seconds": round(best, 3), "docs_per_s": round(len(predictions) / best, 1)})
+    base = rows[0]["docs_per_s"]
+    for row in rows:
+        row["vs_first"] = round(row["docs_per_s"] / base, 2)
+    summary = {"workdir": args.workdir, "kept": bundle.spec["kept"]["method"],
+               "max_len": bundle.encode.max_len, "encode_s": round(encode_s, 3), "rows": rows}
+    if args.json:
+        print(json.dumps(summary))
+        return
+    print(f"{summary['kept']} from {args.workdir}; {len(inputs.documents)} documents; "
+          f"text -> framed ids alone: {encode_s:.2f} s "
+          f"({len(inputs.documents) / encode_s:,.0f} docs/s)")
+    print(f"{'batch':>6} {'seconds':>8} {'docs/s':>9} {'vs first':>9}")
+    for row in rows:
+        print(f"{row['batch_size']:>6} {row['seconds']:>8.2f} {row['docs_per_s']:>9,.0f} "
+              f"{row['vs_first']:>9.2f}")
+
+
+if __name__ == "__main__":
+    main()
