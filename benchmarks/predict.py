@@ -16,10 +16,11 @@ import argparse
 import json
 import time
 
+import numpy as np
 import pandas as pd
 
 from selfsup_model.config import IngestConfig
-from selfsup_model.inference import load_run_classifier
+from selfsup_model.inference import load_run_classifier, softmax
 from selfsup_model.ingest import RawRecord
 from selfsup_model.scoring import judge_inputs, score
 
@@ -51,11 +52,13 @@ def main() -> None:
             best = min(best, time.perf_counter() - t0)
         rows.append({"batch_size": batch_size, "docs": len(predictions),
                      "seconds": round(best, 3), "docs_per_s": round(len(predictions) / best, 1)})
+    latency = one_document_latency(bundle, inputs.documents["text"].head(50).tolist())
     base = rows[0]["docs_per_s"]
     for row in rows:
         row["vs_first"] = round(row["docs_per_s"] / base, 2)
     summary = {"workdir": args.workdir, "kept": bundle.spec["kept"]["method"],
-               "max_len": bundle.encode.max_len, "encode_s": round(encode_s, 3), "rows": rows}
+               "max_len": bundle.encode.max_len, "encode_s": round(encode_s, 3), "rows": rows,
+               "one_document_ms": latency}
     if args.json:
         print(json.dumps(summary))
         return
@@ -66,6 +69,31 @@ def main() -> None:
     for row in rows:
         print(f"{row['batch_size']:>6} {row['seconds']:>8.2f} {row['docs_per_s']:>9,.0f} "
               f"{row['vs_first']:>9.2f}")
+    print(f"one document (median of 50): {latency['padded_to_power_of_two']:.1f} ms; padded to a "
+          f"full batch of 256 as before: {latency['padded_to_256']:.1f} ms "
+          f"({latency['padded_to_256'] / latency['padded_to_power_of_two']:.1f}x)")
+
+
+def one_document_latency(bundle, texts: list[str]) -> dict[str, float]:
+    """Median ms to score one document: as `predict_proba` does now (a short batch is padded to
+    the next power of two) and as it did before (padded to the full batch of 256)."""
+    def median_ms(fn) -> float:
+        fn(texts[0])  # warm-up: trace this shape
+        times = []
+        for text in texts:
+            t0 = time.perf_counter()
+            fn(text)
+            times.append(time.perf_counter() - t0)
+        return round(sorted(times)[len(times) // 2] * 1000, 2)
+
+    def padded_to_256(text: str) -> None:
+        ids = bundle.encode_texts([text]).ids  # (1, L)
+        batch = np.zeros((256, ids.shape[1]), np.int32)
+        batch[:1] = ids
+        softmax(np.asarray(bundle.model.predict_on_batch(batch))[:1])
+
+    return {"padded_to_power_of_two": median_ms(lambda t: bundle.predict_proba([t])),
+            "padded_to_256": median_ms(padded_to_256)}
 
 
 if __name__ == "__main__":

@@ -114,15 +114,20 @@ def build_classifier(backbone: keras.Model, num_classes: int, pooling: str = "me
 
 
 def predict_in_batches(model: keras.Model, ids: np.ndarray, batch_size: int = 256) -> np.ndarray:
-    """Model outputs for int32 ids (N, L) in inference mode; every call has one input shape."""
+    """Model outputs for int32 ids (N, L) in inference mode, `batch_size` rows per call.
+
+    A short batch is padded with all-[PAD] rows (dropped again) up to the next power of two,
+    so calls come in at most log2(batch_size) + 1 shapes (each traced once) and one document
+    costs a batch of one, not of `batch_size`.
+    """
     ids = np.asarray(ids)
     out = []
     for start in range(0, len(ids), batch_size):
         batch = ids[start : start + batch_size]
         real = len(batch)
-        if real < batch_size:
-            # Zero filler rows (all [PAD]; dropped below): no retrace for the last batch.
-            filler = np.zeros((batch_size - real, *ids.shape[1:]), ids.dtype)
+        padded = min(batch_size, 1 << (real - 1).bit_length())  # next power of two >= real
+        if real < padded:
+            filler = np.zeros((padded - real, *ids.shape[1:]), ids.dtype)
             batch = np.concatenate([batch, filler])
         out.append(np.asarray(model.predict_on_batch(batch))[:real])
     if not out:

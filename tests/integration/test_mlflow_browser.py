@@ -74,6 +74,15 @@ def mlflow_ui(tiny_run):
         proc.wait(timeout=30)
 
 
+@pytest.fixture
+def driver():
+    """A headless Chromium session, closed after the test."""
+    _require_browser()
+    session = _browser()
+    yield session
+    session.quit()
+
+
 def _browser():
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
@@ -101,30 +110,25 @@ def _click_text(driver, text: str) -> None:
     driver.find_element("xpath", f"//*[normalize-space(text())='{text}']").click()
 
 
-def test_parent_run_page_shows_metrics_and_report(mlflow_ui, tmp_path):
-    _require_browser()
+def test_parent_run_page_shows_metrics_and_report(mlflow_ui, driver, tmp_path):
     url, uri = mlflow_ui
     client = MlflowClient(uri)
     exp = client.get_experiment_by_name("selfsup")
     parent = next(r for r in client.search_runs([exp.experiment_id])
                   if "mlflow.parentRunId" not in r.data.tags)
     run_url = f"{url}/#/experiments/{exp.experiment_id}/runs/{parent.info.run_id}"
-    driver = _browser()
-    try:
-        driver.get(run_url)
-        _wait_for_text(driver, ["masks.scored_tokens", "ingest.kept"])
-        driver.save_screenshot(str(tmp_path / "mlflow-run.png"))
-        if os.environ.get("SELFSUP_UPDATE_DOCS") == "1":
-            driver.save_screenshot(str(ROOT / "docs" / "mlflow-run.png"))
-        driver.get(f"{run_url}/artifacts")
-        _wait_for_text(driver, ["report"])
-        _click_text(driver, "report")
-        _wait_for_text(driver, ["report.md", "macro_f1_vs_fraction.png"])
-        _click_text(driver, "report.md")
-        _wait_for_text(driver, ["selfsup comparison", "What the numbers say"])
-        driver.save_screenshot(str(tmp_path / "mlflow-report.png"))
-    finally:
-        driver.quit()
+    driver.get(run_url)
+    _wait_for_text(driver, ["masks.scored_tokens", "ingest.kept"])
+    driver.save_screenshot(str(tmp_path / "mlflow-run.png"))
+    if os.environ.get("SELFSUP_UPDATE_DOCS") == "1":
+        driver.save_screenshot(str(ROOT / "docs" / "mlflow-run.png"))
+    driver.get(f"{run_url}/artifacts")
+    _wait_for_text(driver, ["report"])
+    _click_text(driver, "report")
+    _wait_for_text(driver, ["report.md", "macro_f1_vs_fraction.png"])
+    _click_text(driver, "report.md")
+    _wait_for_text(driver, ["selfsup comparison", "What the numbers say"])
+    driver.save_screenshot(str(tmp_path / "mlflow-report.png"))
     assert (tmp_path / "mlflow-run.png").stat().st_size > 10_000
 
 
@@ -134,75 +138,64 @@ def _runs(uri: str):
     return client, exp, client.search_runs([exp.experiment_id])
 
 
-def test_experiment_opens_on_the_runs_list(mlflow_ui, tmp_path):
+def _stage_run(uri: str, stage: str):
+    """(client, experiment, the run of `stage` with its inputs)."""
+    client, exp, runs = _runs(uri)
+    run = next(r for r in runs if r.data.tags.get("selfsup.stage") == stage)
+    return client, exp, client.get_run(run.info.run_id)
+
+
+def test_experiment_opens_on_the_runs_list(mlflow_ui, driver, tmp_path):
     """Not on the GenAI traces overview: the experiment is a model-training one."""
-    _require_browser()
     url, uri = mlflow_ui
     _, exp, runs = _runs(uri)
     parent = next(r for r in runs if "mlflow.parentRunId" not in r.data.tags)
-    driver = _browser()
-    try:
-        driver.get(ui_url(url, exp.experiment_id))
-        body = _wait_for_text(driver, [parent.info.run_name, "matching runs"])
-        driver.save_screenshot(str(tmp_path / "mlflow-experiment.png"))
-        assert f"/experiments/{exp.experiment_id}/runs" in driver.current_url
-        assert "workflowType=machine_learning" in driver.current_url
-        assert "No data available for the selected time range" not in body
-    finally:
-        driver.quit()
+    driver.get(ui_url(url, exp.experiment_id))
+    body = _wait_for_text(driver, [parent.info.run_name, "matching runs"])
+    driver.save_screenshot(str(tmp_path / "mlflow-experiment.png"))
+    assert f"/experiments/{exp.experiment_id}/runs" in driver.current_url
+    assert "workflowType=machine_learning" in driver.current_url
+    assert "No data available for the selected time range" not in body
 
 
-def test_stage_run_page_lists_the_splits_it_read(mlflow_ui, tmp_path):
-    _require_browser()
+def test_stage_run_page_lists_the_splits_it_read(mlflow_ui, driver, tmp_path):
     url, uri = mlflow_ui
-    client, exp, runs = _runs(uri)
-    finetune = client.get_run(next(r.info.run_id for r in runs
-                                   if r.data.tags.get("selfsup.stage") == "finetune"))
+    _, exp, finetune = _stage_run(uri, "finetune")
     datasets = {i.dataset.name: i.dataset for i in finetune.inputs.dataset_inputs}
     assert set(datasets) == {"train", "val", "test"}
     train = f"train ({datasets['train'].digest})"
-    driver = _browser()
-    try:
-        driver.get(ui_url(url, exp.experiment_id, finetune.info.run_id))
-        body = _wait_for_text(driver, ["Datasets", train, "Training"])
-        about = body[body.index("About this run"):]
-        assert about.split("\nDatasets\n", 1)[1].startswith(train), about[:600]  # not "None"
-        # the dataset drawer: every split, its context, digest, size and source file
-        driver.find_elements("xpath", f"//*[contains(normalize-space(.), '{train}')]")[-1].click()
-        rows = json.loads(datasets["train"].profile)["num_rows"]
-        _wait_for_text(driver, ["3 datasets used", train, "Training",
-                                f"val ({datasets['val'].digest})", "Validation",
-                                f"test ({datasets['test'].digest})", "Test",
-                                f"num rows: {rows}", "train_docs.parquet"])
-        driver.save_screenshot(str(tmp_path / "mlflow-datasets.png"))
-    finally:
-        driver.quit()
+    driver.get(ui_url(url, exp.experiment_id, finetune.info.run_id))
+    body = _wait_for_text(driver, ["Datasets", train, "Training"])
+    about = body[body.index("About this run"):]
+    assert about.split("\nDatasets\n", 1)[1].startswith(train), about[:600]  # not "None"
+    # the dataset drawer: every split, its context, digest, size and source file
+    driver.find_elements("xpath", f"//*[contains(normalize-space(.), '{train}')]")[-1].click()
+    rows = json.loads(datasets["train"].profile)["num_rows"]
+    _wait_for_text(driver, ["3 datasets used", train, "Training",
+                            f"val ({datasets['val'].digest})", "Validation",
+                            f"test ({datasets['test'].digest})", "Test",
+                            f"num rows: {rows}", "train_docs.parquet"])
+    driver.save_screenshot(str(tmp_path / "mlflow-datasets.png"))
 
 
-def test_the_kept_classifier_shows_as_a_logged_and_registered_model(mlflow_ui, tmp_path):
-    _require_browser()
+def test_the_kept_classifier_shows_as_a_logged_and_registered_model(mlflow_ui, driver, tmp_path):
     url, uri = mlflow_ui
-    client, exp, runs = _runs(uri)
-    finetune = next(r for r in runs if r.data.tags.get("selfsup.stage") == "finetune")
+    client, exp, finetune = _stage_run(uri, "finetune")
     (model,) = client.search_logged_models(experiment_ids=[exp.experiment_id])
     assert model.source_run_id == finetune.info.run_id and model.status == "READY"
     version = finetune.data.tags["selfsup.registered_model"].rsplit("/", 1)[1]
-    driver = _browser()
-    try:
-        # the finetune run's page: its logged model in "Logged models (1)", and the registered
-        # version under "Registered models" in "About this run" (not "None")
-        driver.get(ui_url(url, exp.experiment_id, finetune.info.run_id))
-        body = _wait_for_text(driver, ["Logged models (1)",
-                                       f"Registered models\nselfsup-classifier\nv{version}"])
-        logged = body[body.index("Logged models (1)"):][:400]  # the table's header and row
-        assert "classifier" in logged and "Ready" in logged, logged
-        driver.save_screenshot(str(tmp_path / "mlflow-finetune-run.png"))
-        # the experiment's Models tab: the logged model, ready, logged from the finetune run
-        driver.get(f"{url}/#/experiments/{exp.experiment_id}/models?workflowType=machine_learning")
-        _wait_for_text(driver, ["classifier", "Ready", "finetune", "selfsup-classifier"])
-        driver.save_screenshot(str(tmp_path / "mlflow-models.png"))
-        # the Model Registry page
-        driver.get(f"{url}/#/models")
-        _wait_for_text(driver, ["Registered Models", "selfsup-classifier", f"Version {version}"])
-    finally:
-        driver.quit()
+    # the finetune run's page: its logged model in "Logged models (1)", and the registered
+    # version under "Registered models" in "About this run" (not "None")
+    driver.get(ui_url(url, exp.experiment_id, finetune.info.run_id))
+    body = _wait_for_text(driver, ["Logged models (1)",
+                                   f"Registered models\nselfsup-classifier\nv{version}"])
+    logged = body[body.index("Logged models (1)"):][:400]  # the table's header and row
+    assert "classifier" in logged and "Ready" in logged, logged
+    driver.save_screenshot(str(tmp_path / "mlflow-finetune-run.png"))
+    # the experiment's Models tab: the logged model, ready, logged from the finetune run
+    driver.get(f"{url}/#/experiments/{exp.experiment_id}/models?workflowType=machine_learning")
+    _wait_for_text(driver, ["classifier", "Ready", "finetune", "selfsup-classifier"])
+    driver.save_screenshot(str(tmp_path / "mlflow-models.png"))
+    # the Model Registry page
+    driver.get(f"{url}/#/models")
+    _wait_for_text(driver, ["Registered Models", "selfsup-classifier", f"Version {version}"])

@@ -12,6 +12,7 @@ from selfsup_model.classify import (
     check_encoder_length,
     encoder_inputs,
     is_causal,
+    predict_in_batches,
     stratified_subset,
 )
 from selfsup_model.config import ModelConfig
@@ -154,3 +155,26 @@ def test_stratified_subset_keeps_label_proportions():
         stratified_subset(labels, 0.0, seed=1)
     with pytest.raises(UserError, match="empty"):
         stratified_subset([], 0.5, seed=1)
+
+
+class _RecordingModel:
+    """Stands in for a Keras model: row sums of the ids, and the batch sizes it was called with."""
+
+    output_shape = (None, 1)
+
+    def __init__(self):
+        self.calls: list[int] = []
+
+    def predict_on_batch(self, batch):
+        self.calls.append(len(batch))
+        return batch.sum(axis=1, keepdims=True)
+
+
+@pytest.mark.parametrize("n, expected_calls", [(1, [1]), (3, [4]), (8, [8]), (9, [8, 1]),
+                                               (13, [8, 8]), (0, [])])
+def test_predict_in_batches_pads_short_batches_to_a_power_of_two(n, expected_calls):
+    ids = np.arange(1, 3 * n + 1, dtype=np.int32).reshape(n, 3)
+    model = _RecordingModel()
+    out = predict_in_batches(model, ids, batch_size=8)
+    np.testing.assert_array_equal(out, ids.sum(axis=1, keepdims=True))  # filler rows dropped
+    assert model.calls == expected_calls
