@@ -19,11 +19,12 @@ import mlflow
 import pandas as pd
 from mlflow.pyfunc import PythonModel
 
+from selfsup_model.inference import SPEC_FILE, ClassifierBundle
+from selfsup_model.scoring import prediction_frame
+
 
 class SelfsupClassifier(PythonModel):
     def load_context(self, context):
-        from selfsup_model.inference import SPEC_FILE, ClassifierBundle
-
         self.bundle = ClassifierBundle.load(Path(context.artifacts[SPEC_FILE]).parent)
 
     def predict(self, context, model_input: pd.DataFrame, params=None) -> pd.DataFrame:
@@ -35,13 +36,7 @@ class SelfsupClassifier(PythonModel):
             missing = sorted(set(range(len(texts))) - set(kept.tolist()))
             raise ValueError(f"rows {missing[:20]} have no text to classify (empty after "
                              "normalisation or no tokens)")
-        classes = self.bundle.classes
-        best = probs.argmax(axis=1)
-        out = pd.DataFrame({"label": [classes[k] for k in best],
-                            "probability": probs[range(len(best)), best]})
-        for k, name in enumerate(classes):
-            out[f"p_{name}"] = probs[:, k]
-        return out
+        return prediction_frame(probs, self.bundle.classes)  # what `selfsup predict` writes
 
 
 mlflow.models.set_model(SelfsupClassifier())

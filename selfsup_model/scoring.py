@@ -110,13 +110,8 @@ def score(bundle: ClassifierBundle, inputs: ScoringInput, batch_size: int = 256,
     tokens join the rejects as no_tokens."""
     docs = inputs.documents
     probs, kept = bundle.predict_proba(docs["text"].tolist(), batch_size, progress)
-    classes = np.asarray(bundle.classes)
-    best = probs.argmax(axis=1) if len(probs) else np.zeros(0, np.int64)
-    frame = pd.DataFrame({"id": docs["id"].to_numpy()[kept],
-                          "label": classes[best],
-                          "probability": probs[np.arange(len(best)), best]})
-    for k, name in enumerate(classes):
-        frame[f"p_{name}"] = probs[:, k]
+    frame = prediction_frame(probs, bundle.classes)
+    frame.insert(0, "id", docs["id"].to_numpy()[kept])
     empty = np.setdiff1d(np.arange(len(docs)), kept)
     no_tokens = pd.DataFrame({"source": docs["source"].to_numpy()[empty],
                               "id": docs["id"].to_numpy()[empty], "reason": "no_tokens",
@@ -125,6 +120,16 @@ def score(bundle: ClassifierBundle, inputs: ScoringInput, batch_size: int = 256,
     rejects = pd.concat([inputs.rejects, no_tokens], ignore_index=True) if len(empty) \
         else inputs.rejects
     return frame, rejects
+
+
+def prediction_frame(probs: np.ndarray, classes: list[str]) -> pd.DataFrame:
+    """label, probability and one p_<class> column per class, from (n, C) probabilities."""
+    best = probs.argmax(axis=1)  # (n,)
+    frame = pd.DataFrame({"label": np.asarray(classes)[best],
+                          "probability": probs[np.arange(len(best)), best]})
+    for k, name in enumerate(classes):
+        frame[f"p_{name}"] = probs[:, k]
+    return frame
 
 
 def check_output_path(path: str) -> Path:

@@ -149,3 +149,21 @@ def test_generate_on_a_causal_run_and_fill_mask_refuses_it(tiny_run, tmp_path, c
     assert "stopped: " in captured.err
     assert main(["fill-mask", "the [MASK]", "--workdir", str(wd)]) == 2
     assert "needs a masked-LM run" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name, message", [
+    ("classifier.json", "changed after the run wrote"),  # checked against the manifest
+    ("classifier.keras", "does not match the sha256"),  # checked against classifier.json
+])
+def test_a_changed_classifier_file_exits_2(tiny_run, tmp_path, capsys, name, message):
+    import shutil
+
+    reference, _, _ = tiny_run
+    wd = tmp_path / "wd"
+    shutil.copytree(reference / "finetune", wd / "finetune")
+    with open(wd / "finetune" / name, "ab") as fh:
+        fh.write(b" ")
+    (tmp_path / "in.csv").write_text("text\nhello there\n")
+    assert main(["predict", str(tmp_path / "in.csv"), "--workdir", str(wd)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
