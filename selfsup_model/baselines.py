@@ -27,6 +27,9 @@ from selfsup_model.errors import UserError
 from selfsup_model.metrics import macro_f1
 
 _TFIDF = "TF-IDF baseline"
+# Multinomial logistic regression by Newton-CG: on high-dimensional sparse TF-IDF rows
+# lbfgs (sklearn's default) spends seconds per iteration in its bound-constrained update.
+SOLVER, MAX_ITER = "newton-cg", 1000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,8 +54,10 @@ def logreg_on_features(
 ) -> LogregResult:
     """Logistic regression on fixed features (n, dim); C chosen by validation macro-F1 only.
 
-    Fits `LogisticRegression(C=c, max_iter=2000)` for each distinct C in
-    ascending order. Ties go to the smaller C (stronger regularisation, the
+    Fits `LogisticRegression(C=c, solver="newton-cg")` for each distinct C in
+    ascending order (the multinomial model lbfgs fits too, found in a few Newton steps:
+    35x faster than lbfgs on 2.5k TF-IDF bigram rows at equal validation macro-F1,
+    `benchmarks/tfidf.py`). Ties go to the smaller C (stronger regularisation, the
     simpler model). `eval_x` carry no labels: they are predicted once, after
     the choice. `what` names the caller in error messages.
     """
@@ -62,7 +67,7 @@ def logreg_on_features(
     best: tuple[float, float, LogisticRegression, np.ndarray] | None = None
     grid = []
     for c in sorted(set(c_grid)):
-        clf = LogisticRegression(C=c, max_iter=2000).fit(train_x, train_y)
+        clf = LogisticRegression(C=c, solver=SOLVER, max_iter=MAX_ITER).fit(train_x, train_y)
         val_pred = clf.predict(val_x)
         f1 = macro_f1(val_y, val_pred)
         grid.append({"C": float(c), "val_macro_f1": f1})

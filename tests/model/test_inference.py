@@ -52,8 +52,8 @@ def test_the_folded_probe_gives_the_regressions_probabilities(n_classes):
     classes = [f"c{k}" for k in range(n_classes)]
     x = frozen_features(backbone, ids)  # (60, H)
     mean, scale = x.mean(axis=0), x.std(axis=0) + 0.5  # a scale != 1 exercises the folding
-    clf = LogisticRegression(C=10.0, max_iter=2000).fit((x - mean) / scale,
-                                                        np.asarray(classes)[y])
+    clf = LogisticRegression(C=10.0, solver="newton-cg", max_iter=1000)
+    clf.fit((x - mean) / scale, np.asarray(classes)[y])
     model = probe_classifier(backbone, "mean", clf, mean, scale, classes)
     expected = clf.predict_proba((x - mean) / scale)
     got = softmax(model.predict_on_batch(ids))
