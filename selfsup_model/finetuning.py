@@ -21,6 +21,7 @@ macro-F1 over the stages before it; otherwise its weights are discarded.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import math
 import time
@@ -40,7 +41,7 @@ from selfsup_model.errors import UserError
 from selfsup_model.features import feature_extractor, predict_in_batches
 from selfsup_model.metrics import macro_f1
 from selfsup_model.model import with_dropout
-from selfsup_model.optimizers import SelectiveAdamW, WarmupDecay
+from selfsup_model.optimizers import RestartableAdamW
 
 log = logging.getLogger("selfsup.finetuning")
 
@@ -90,13 +91,16 @@ def train_classifier(backbone_factory: Callable[[], keras.Model],
                      train: tuple[np.ndarray, np.ndarray], val: tuple[np.ndarray, np.ndarray],
                      num_classes: int, mode: str, cfg: FinetuneConfig, seed: int,
                      learning_rate: float,
-                     eval_sets: Mapping[str, np.ndarray] | None = None) -> ClassifierResult:
+                     eval_sets: Mapping[str, np.ndarray] | None = None,
+                     trainers: StageTrainers | None = None) -> ClassifierResult:
     """Train one classifier in `mode` at one peak learning rate; select on validation only.
 
     `backbone_factory()` returns a fresh backbone per call (full fine-tuning
     changes the weights it is given; ``scratch`` re-initialises a clone).
     `train`/`val` are (framed windows (N, L) int32, class ids (N,)); `eval_sets`
-    are windows only, predicted once with the selected weights.
+    are windows only, predicted once with the selected weights. `trainers`, shared by
+    every run of one method, reuses its compiled train and predict steps; a run's
+    result does not depend on which runs came before it.
     """
     if mode not in MODES:
         raise UserError(f"unknown fine-tuning mode {mode!r}; choose one of {', '.join(MODES)}")
@@ -109,41 +113,107 @@ def train_classifier(backbone_factory: Callable[[], keras.Model],
     for name, ids in (("train", train_ids), ("val", val_ids), *(eval_sets or {}).items()):
         check_encoder_length(name, ids, backbone)
     train_ids, val_ids = encoder_inputs(backbone, train_ids), encoder_inputs(backbone, val_ids)
+    # The run's own model: its initial weights (and dropout seeds), then the selected ones.
     model = build_classifier(backbone, num_classes, cfg.pooling, cfg.dropout)
     budget = update_budget(len(train_y), cfg)
     run = ClassifierRun(model, backbone, (train_ids, train_y), (val_ids, val_y), cfg,
-                        np.random.default_rng(seed), eval_every=math.ceil(budget / cfg.evals))
+                        np.random.default_rng(seed), eval_every=math.ceil(budget / cfg.evals),
+                        trainers=trainers)
     start = time.perf_counter()
     for stage in plan_stages(mode, budget, learning_rate, cfg):
         run.train_stage(stage)
     run.restore_best()
-    val_pred = run.predict(val_ids)
     return ClassifierResult(
         model=model, mode=mode, learning_rate=learning_rate,
-        val_macro_f1=macro_f1(val_y, val_pred), updates_run=run.updates,
+        val_macro_f1=macro_f1(val_y, run.best_val_pred), updates_run=run.updates,
         best_update=run.best_update, train_time_s=time.perf_counter() - start,
-        history=run.history, stages=run.stages, val_predictions=val_pred,
+        history=run.history, stages=run.stages, val_predictions=run.best_val_pred,
         predictions={name: run.predict(encoder_inputs(backbone, ids))
                      for name, ids in (eval_sets or {}).items()})
 
 
+class StageTrainers:
+    """Compiled classifiers of one method, one per kind of stage, shared by all its runs.
+
+    Compiling a classifier's train step costs seconds on CPU (tracing, then XLA),
+    as much as a short run's own updates, and every run of a method (each learning
+    rate, seed and label fraction) has the same architecture. So each kind of stage
+    compiles once: ``all`` (everything trains), ``top`` (the top blocks train) and
+    ``head`` (the head alone, on pooled features). A run copies its weights, and its
+    dropout seeds, in at the start of a stage and out at the end, and the optimizer
+    restarts from zero, so what a run learns does not depend on the runs before it.
+    Frozen features for the head stage are computed once per set of windows.
+    """
+
+    def __init__(self) -> None:
+        self._models: dict[str, keras.Model] = {}
+        self._features: dict[tuple[str, bytes], np.ndarray] = {}
+
+    def trainer(self, kind: str, model: keras.Model, cfg: FinetuneConfig) -> keras.Model:
+        """The compiled model for `kind` (built like `model` on first use)."""
+        if kind not in self._models:
+            trainer = _head_model(model) if kind == "head" else keras.models.clone_model(model)
+            if kind != "head":
+                _set_trainable(_backbone_of(trainer), kind, cfg.staged_top_blocks)
+            optimizer = RestartableAdamW(weight_decay=cfg.weight_decay, global_clipnorm=1.0)
+            trainer.compile(optimizer=optimizer,
+                            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            optimizer.build(trainer.trainable_variables)
+            self._models[kind] = trainer
+        return self._models[kind]
+
+    def features(self, model: keras.Model, ids: np.ndarray, batch_size: int) -> np.ndarray:
+        """Pooled features of the frozen encoder of `model` for `ids`, cached by content: the
+        head stage always starts from the same encoder weights."""
+        key = (hashlib.blake2b(np.ascontiguousarray(ids).tobytes(), digest_size=16).hexdigest(),
+               ids.shape)
+        if key not in self._features:
+            extractor = feature_extractor(_backbone_of(model), self._pooling(model))
+            self._features[key] = predict_in_batches(extractor, ids, batch_size)
+        return self._features[key]
+
+    @staticmethod
+    def _pooling(model: keras.Model) -> str:
+        return {"MaskedMeanPooling": "mean", "ClsPooling": "cls",
+                "LastTokenPooling": "last"}[type(model.get_layer("pool")).__name__]
+
+
+def copy_state(source: keras.Model, target: keras.Model) -> None:
+    """Every variable of `source` (weights and dropout seed states) into `target`, built
+    alike."""
+    src, dst = source.variables, target.variables
+    if [_layout(v) for v in src] != [_layout(v) for v in dst]:
+        raise RuntimeError(f"models {source.name} and {target.name} are not built alike")
+    for a, b in zip(src, dst):
+        b.assign(a)
+
+
 class ClassifierRun:
-    """The state of one classifier run across its stages: data order, best weights, records."""
+    """The state of one classifier run across its stages: data order, best weights, records.
+
+    `model` holds the run's weights between stages; each stage trains the shared compiled
+    trainer of its kind (`StageTrainers`) and hands the weights back.
+    """
 
     def __init__(self, model, backbone, train, val, cfg: FinetuneConfig, rng: np.random.Generator,
-                 eval_every: int):
+                 eval_every: int, trainers: StageTrainers | None = None):
         # Validation every `eval_every` updates, whatever the mode: staged runs get as many
         # checks (and as much selection) over the same budget as full ones, not three times more.
         self.model, self.backbone, self.cfg, self.rng = model, backbone, cfg, rng
+        self.trainers = trainers if trainers is not None else StageTrainers()
         self.eval_every = max(1, eval_every)
         (self.train_ids, self.train_y), (self.val_ids, self.val_y) = train, val
         self.updates, self.best_update, self.best_f1 = 0, 0, -1.0
-        self.best_weights = None
+        self.best_weights: list[np.ndarray] | None = None
+        self.best_val_pred = np.zeros(len(self.val_y), np.int64)
         self.history: list[dict] = []
         self.stages: list[dict] = []
 
     def predict(self, ids: np.ndarray) -> np.ndarray:
-        return predict_classes(self.model, ids, self.cfg.eval_batch_size)
+        """Class ids from the run's current weights (through the compiled ``all`` trainer)."""
+        trainer = self.trainers.trainer("all", self.model, self.cfg)
+        copy_state(self.model, trainer)
+        return predict_classes(trainer, ids, self.cfg.eval_batch_size)
 
     def restore_best(self) -> None:
         if self.best_weights is not None:
@@ -151,16 +221,17 @@ class ClassifierRun:
 
     def train_stage(self, stage: Stage) -> None:
         before = self.best_f1
+        trainer = self.trainers.trainer(stage.name, self.model, self.cfg)
         if stage.name == "head":
-            trainer, x_train, predict_val = self._head_on_frozen_features()
+            batch = self.cfg.eval_batch_size
+            x_train = self.trainers.features(self.model, self.train_ids, batch)
+            x_val = self.trainers.features(self.model, self.val_ids, batch)
+            _copy_head(self.model, trainer)
         else:
-            self._set_trainable(stage.name)
-            trainer, x_train = self.model, self.train_ids
-
-            def predict_val() -> np.ndarray:
-                return self.predict(self.val_ids)
-        trainer.compile(optimizer=_optimizer(stage, self.cfg),
-                        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            x_train, x_val = self.train_ids, self.val_ids
+            copy_state(self.model, trainer)
+        warmup = round(self.cfg.warmup_fraction * stage.updates)
+        trainer.optimizer.restart(stage.learning_rate, warmup, stage.updates)
         order = self._batches(stage.updates)  # (updates, B) indices into the training subset
         waited, stage_best = 0, -1.0
         for lo in range(0, stage.updates, self.eval_every):
@@ -168,11 +239,13 @@ class ClassifierRun:
             trainer.fit(x_train[idx], self.train_y[idx], batch_size=self.cfg.batch_size, epochs=1,
                         shuffle=False, verbose=0)
             self.updates += len(idx) // self.cfg.batch_size
-            f1 = macro_f1(self.val_y, predict_val())
+            val_pred = predict_classes(trainer, x_val, self.cfg.eval_batch_size)
+            f1 = macro_f1(self.val_y, val_pred)
             self.history.append({"stage": stage.name, "update": self.updates, "val_macro_f1": f1})
             stage_best = max(stage_best, f1)
             if f1 > self.best_f1:  # strict: a tie keeps the earlier, cheaper weights
-                self.best_f1, self.best_update = f1, self.updates
+                self._hand_back(stage.name, trainer)
+                self.best_f1, self.best_update, self.best_val_pred = f1, self.updates, val_pred
                 self.best_weights = self.model.get_weights()
                 waited = 0
             else:
@@ -180,13 +253,22 @@ class ClassifierRun:
                 if waited >= self.cfg.patience:
                     break
         kept = self.best_f1 > before
-        if not kept:  # validation says this stage did not help: continue from the weights before it
+        if kept:  # continue from where the stage ended
+            self._hand_back(stage.name, trainer)
+        else:  # validation says this stage did not help: continue from the weights before it
             self.restore_best()
         self.stages.append({"stage": stage.name, "updates": stage.updates,
                             "learning_rate": stage.learning_rate, "val_macro_f1": stage_best,
                             "kept": kept})
         log.info("stage %s: best val macro-F1 %.4f (%s)", stage.name, stage_best,
                  "kept" if kept else "discarded")
+
+    def _hand_back(self, kind: str, trainer: keras.Model) -> None:
+        """The stage trainer's weights into the run's model."""
+        if kind == "head":
+            _copy_head(trainer, self.model)
+        else:
+            self.model.set_weights(trainer.get_weights())
 
     def _batches(self, updates: int) -> np.ndarray:
         """Seeded passes over the training subset, cut into `updates` rows of batch indices."""
@@ -195,34 +277,41 @@ class ClassifierRun:
         stream = np.concatenate([self.rng.permutation(n) for _ in range(passes)])
         return stream[: updates * size].reshape(updates, size)
 
-    def _head_on_frozen_features(self):
-        """The classifier's own dropout + dense head, on features the frozen encoder gives once."""
-        extractor = feature_extractor(self.backbone, self.cfg.pooling)
-        features = predict_in_batches(extractor, self.train_ids, self.cfg.eval_batch_size)
-        val_features = predict_in_batches(extractor, self.val_ids, self.cfg.eval_batch_size)
-        pooled = keras.Input(shape=(features.shape[1],), name="pooled")
-        head = self.model.get_layer("head_logits")
-        logits = head(self.model.get_layer("head_dropout")(pooled))
-        head_model = keras.Model(pooled, logits, name="head_only")
 
-        return head_model, features, lambda: predict_classes(head_model, val_features,
-                                                             self.cfg.eval_batch_size)
-
-    def _set_trainable(self, stage: str) -> None:
-        self.backbone.trainable = True
-        if stage == "top":
-            blocks = [layer.name for layer in self.backbone.layers
-                      if layer.name.startswith("block_")]
-            top = set(blocks[-self.cfg.staged_top_blocks:]) | {"final_norm"}
-            for layer in self.backbone.layers:
-                layer.trainable = layer.name in top
+def _layout(variable) -> tuple:
+    """A variable's place in a model, the same in a clone (seed states are numbered
+    globally, so only their shape counts)."""
+    path = "seed" if "seed_generator" in variable.path else variable.path
+    return path, tuple(variable.shape)
 
 
-def _optimizer(stage: Stage, cfg: FinetuneConfig) -> keras.optimizers.Optimizer:
-    warmup = round(cfg.warmup_fraction * stage.updates)
-    schedule = WarmupDecay(stage.learning_rate, warmup, stage.updates, decay="linear")
-    return SelectiveAdamW(learning_rate=schedule, weight_decay=cfg.weight_decay,
-                          global_clipnorm=1.0)
+def _backbone_of(classifier: keras.Model) -> keras.Model:
+    (backbone,) = [layer for layer in classifier.layers if isinstance(layer, keras.Model)]
+    return backbone
+
+
+def _head_model(classifier: keras.Model) -> keras.Model:
+    """pooled (B, H) -> logits: fresh copies of the classifier's dropout and dense head."""
+    dropout, dense = classifier.get_layer("head_dropout"), classifier.get_layer("head_logits")
+    pooled = keras.Input(shape=(dense.kernel.shape[0],), name="pooled")
+    copy = [type(layer).from_config(layer.get_config()) for layer in (dropout, dense)]
+    return keras.Model(pooled, copy[1](copy[0](pooled)), name="head_only")
+
+
+def _copy_head(source: keras.Model, target: keras.Model) -> None:
+    """The head's weights and its dropout's seed state."""
+    for name in ("head_dropout", "head_logits"):
+        for a, b in zip(source.get_layer(name).variables, target.get_layer(name).variables):
+            b.assign(a)
+
+
+def _set_trainable(backbone: keras.Model, kind: str, top_blocks: int) -> None:
+    backbone.trainable = True
+    if kind == "top":
+        blocks = [layer.name for layer in backbone.layers if layer.name.startswith("block_")]
+        top = set(blocks[-top_blocks:]) | {"final_norm"}
+        for layer in backbone.layers:
+            layer.trainable = layer.name in top
 
 
 def _check_split(name: str, split: tuple[np.ndarray, np.ndarray], num_classes: int):

@@ -18,6 +18,22 @@ NO_DECAY = ("bias", "gamma", "beta", "embeddings")
 DECAYS = ("cosine", "linear")
 
 
+def warmup_decay(step, peak, warmup_steps, total_steps, decay: str = "linear"):
+    """The rate of update `step` (0-based): linear warmup to `peak` over `warmup_steps`, then
+    cosine or linear decay to 0 at `total_steps`. The numbers may be Python scalars or tensors
+    (a compiled step that reads them from variables serves runs with other settings)."""
+    step = ops.cast(step, "float32") + 1.0
+    warmup = ops.cast(warmup_steps, "float32")
+    warm = peak * step / ops.maximum(warmup, 1.0)
+    span = ops.maximum(ops.cast(total_steps, "float32") - warmup, 1.0)
+    progress = ops.clip((step - warmup) / span, 0.0, 1.0)
+    if decay == "cosine":
+        decayed = 0.5 * peak * (1.0 + ops.cos(math.pi * progress))
+    else:
+        decayed = peak * (1.0 - progress)
+    return ops.where(step <= warmup, warm, decayed)
+
+
 @serializable
 class WarmupDecay(keras.optimizers.schedules.LearningRateSchedule):
     """Linear warmup to `peak` over `warmup_steps`, then cosine or linear decay to 0 at
@@ -34,15 +50,7 @@ class WarmupDecay(keras.optimizers.schedules.LearningRateSchedule):
             peak, warmup_steps, total_steps, decay)
 
     def __call__(self, step):
-        step = ops.cast(step, "float32") + 1.0
-        warm = self.peak * step / max(self.warmup_steps, 1)
-        span = max(self.total_steps - self.warmup_steps, 1)
-        progress = ops.clip((step - self.warmup_steps) / span, 0.0, 1.0)
-        if self.decay == "cosine":
-            decayed = 0.5 * self.peak * (1.0 + ops.cos(math.pi * progress))
-        else:
-            decayed = self.peak * (1.0 - progress)
-        return ops.where(step <= self.warmup_steps, warm, decayed)
+        return warmup_decay(step, self.peak, self.warmup_steps, self.total_steps, self.decay)
 
     def get_config(self):
         return {"peak": self.peak, "warmup_steps": self.warmup_steps,
@@ -64,3 +72,35 @@ class SelectiveAdamW(keras.optimizers.AdamW):
 
     def get_config(self):
         return {**super().get_config(), "no_decay": list(self.no_decay)}
+
+
+class RestartableAdamW(SelectiveAdamW):
+    """SelectiveAdamW for many short runs through one compiled train step.
+
+    The schedule (linear warmup to a peak, then linear decay to 0) reads its peak,
+    warmup and length from optimizer variables, so `restart()` can zero the moments
+    and the update count and set a new schedule without retracing the step (which
+    costs seconds per run on CPU, more than a short fine-tuning run's own updates).
+    Fine-tuning only: it is never saved, so it is not registered for loading.
+    """
+
+    def __init__(self, **kwargs):
+        super().__init__(learning_rate=0.0, **kwargs)
+
+    def build(self, variables):
+        super().build(variables)
+        self._run = [self.add_variable((), initializer="zeros", name=name)
+                     for name in ("run_peak", "run_warmup", "run_total")]
+
+    def _get_current_learning_rate(self):
+        peak, warmup, total = self._run
+        return warmup_decay(self._iterations, peak, warmup, total, "linear")
+
+    def restart(self, peak: float, warmup_steps: int, total_steps: int) -> None:
+        """Forget every previous update and follow a new schedule from update 0."""
+        if not self.built:
+            raise RuntimeError("build the optimizer (with the trainable variables) first")
+        for variable in self.variables:
+            variable.assign(ops.zeros(variable.shape, variable.dtype))
+        for variable, value in zip(self._run, (peak, warmup_steps, total_steps)):
+            variable.assign(float(value))

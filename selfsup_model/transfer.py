@@ -24,7 +24,12 @@ from selfsup_model.baselines import logreg_on_features, majority_class, tfidf_lo
 from selfsup_model.classify import stratified_subset
 from selfsup_model.config import BaselineConfig, FinetuneConfig
 from selfsup_model.features import frozen_features
-from selfsup_model.finetuning import ClassifierResult, train_classifier, update_budget
+from selfsup_model.finetuning import (
+    ClassifierResult,
+    StageTrainers,
+    train_classifier,
+    update_budget,
+)
 from selfsup_model.metrics import macro_f1
 from selfsup_model.report import PREDICTION_COLUMNS, SEED_COLUMNS
 from selfsup_model.splitting import SPLITS
@@ -168,6 +173,7 @@ def train_neural_methods(data: LabelledData, methods: Sequence[NeuralMethod], cf
     test = {"test": data.splits["test"].windows}
     out, kept = MethodResults(), {}
     largest = max(cfg.fractions)
+    trainers = {method.name: StageTrainers() for method in methods}  # compiled once per method
     for fraction, subset in label_subsets(data, cfg):
         for method in methods:
             log.info("%s at label fraction %g: %d training documents", method.name, fraction,
@@ -177,7 +183,8 @@ def train_neural_methods(data: LabelledData, methods: Sequence[NeuralMethod], cf
                 best = None
                 for lr in cfg.learning_rates:
                     res = train_classifier(method.factory, (train.windows[subset], y_train[subset]),
-                                           val, len(data.classes), method.mode, cfg, seed, lr, test)
+                                           val, len(data.classes), method.mode, cfg, seed, lr, test,
+                                           trainers=trainers[method.name])
                     grid.append({"seed": seed, "learning_rate": lr,
                                  "val_macro_f1": res.val_macro_f1, "updates_run": res.updates_run})
                     if best is None or res.val_macro_f1 > best.val_macro_f1:

@@ -9,7 +9,13 @@ from selfsup_model.classify import build_classifier, is_causal, predict_classes
 from selfsup_model.config import FinetuneConfig, ModelConfig
 from selfsup_model.errors import UserError
 from selfsup_model.features import frozen_features
-from selfsup_model.finetuning import ClassifierRun, Stage, train_classifier, update_budget
+from selfsup_model.finetuning import (
+    ClassifierRun,
+    Stage,
+    StageTrainers,
+    train_classifier,
+    update_budget,
+)
 from selfsup_model.metrics import macro_f1
 from selfsup_model.model import build_backbone
 from selfsup_model.specials import BOS_ID, CLS_ID, SEP_ID
@@ -133,7 +139,8 @@ def test_every_neural_method_gets_the_same_grid_budget_and_subsets(monkeypatch):
             self.predictions = {"test": np.zeros(n_test, np.int64)}
             self.stages, self.model = [], None
 
-    def fake_train(factory, train, val, num_classes, mode, cfg, seed, learning_rate, eval_sets):
+    def fake_train(factory, train, val, num_classes, mode, cfg, seed, learning_rate, eval_sets,
+                   trainers):
         calls.append((factory(), mode, len(train[1]), tuple(train[1]), cfg, seed, learning_rate))
         return Fake(len(eval_sets["test"]), learning_rate)
 
@@ -180,3 +187,23 @@ def test_a_causal_encoder_fine_tunes_causally_on_bos_eos_windows(monkeypatch):
         assert is_causal(result.model.get_layer(causal.name))
     for windows in seen:  # the encoder read [BOS] ... [EOS], never [CLS]/[SEP]
         assert (windows[:, 0] == BOS_ID).all() and not np.isin(windows, [CLS_ID, SEP_ID]).any()
+
+
+@pytest.mark.parametrize("mode", ["full", "staged"])
+def test_a_run_through_shared_compiled_trainers_does_not_depend_on_earlier_runs(pretrained, mode):
+    train, val, test = make_docs(32, 1), make_docs(16, 2), {"test": make_docs(12, 3)[0]}
+    cfg = CFG.model_copy(update={"dropout": 0.3})  # dropout draws must restart with the run
+    alone = train_classifier(pretrained, train, val, 2, mode, cfg, 1, 3e-3, test)
+    shared = StageTrainers()
+    train_classifier(pretrained, make_docs(24, 7), val, 2, mode, cfg, 5, 1e-2, test,
+                     trainers=shared)  # another seed, rate and subset first
+    after = train_classifier(pretrained, train, val, 2, mode, cfg, 1, 3e-3, test, trainers=shared)
+    assert after.history == alone.history and after.stages == alone.stages
+    np.testing.assert_array_equal(after.predictions["test"], alone.predictions["test"])
+    for a, b in zip(after.model.get_weights(), alone.model.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+    # The run's model is its own: a later run through the same trainers leaves it alone.
+    kept = [w.copy() for w in after.model.get_weights()]
+    train_classifier(pretrained, make_docs(24, 8), val, 2, mode, cfg, 2, 1e-2, test,
+                     trainers=shared)
+    assert all(np.array_equal(a, b) for a, b in zip(kept, after.model.get_weights()))
