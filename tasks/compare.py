@@ -70,6 +70,20 @@ def report_context(ctx: RunContext, inputs: dict[str, Path], n_test: int) -> dic
     }
 
 
+def stage_seconds(inputs: dict[str, Path]) -> dict[str, float]:
+    """Wall time of every stage before compare, in pipeline order, from their manifests (the
+    run that wrote each stage's current outputs; a skipped stage keeps its earlier time)."""
+    return {key.split("/")[0]: StageManifest.read(path).duration_s
+            for key, path in inputs.items() if key.endswith(f"/{MANIFEST_NAME}")}
+
+
+def time_split(seconds: dict[str, float]) -> str:
+    """'pretrain 322 s (55%), finetune 120 s (20%), ...' over the stages' total."""
+    total = sum(seconds.values()) or 1.0
+    parts = [f"{stage} {s:.0f} s ({s / total:.0%})" for stage, s in seconds.items()]
+    return f"{', '.join(parts)}; {total:.0f} s in all"
+
+
 def _protocol(cfg) -> str:
     return (f"every neural method: peak learning rates {list(cfg.learning_rates)} (chosen on "
             f"validation), {cfg.epochs} epochs clipped to [{cfg.min_updates}, {cfg.max_updates}] "
@@ -108,6 +122,8 @@ def compute(ctx: RunContext, out: Path, inputs: dict[str, Path]) -> StageOutput:
     n_test = predictions.groupby(["method", "fraction"]).size().max()
     kept = kept_classifier(inputs["finetune/classifier.json"])
     context = report_context(ctx, inputs, int(n_test))
+    seconds = stage_seconds(inputs)
+    context["stage wall time"] = time_split(seconds)
     if kept is not None:
         context["classifier handed over"] = (
             f"{kept['method']} at label fraction {kept['fraction']:g} "
@@ -128,6 +144,9 @@ def compute(ctx: RunContext, out: Path, inputs: dict[str, Path]) -> StageOutput:
         name = f"pretrained_minus_{e['reference']}/fraction_{e['fraction']:g}/test_macro_f1"
         metrics.update({name: e["test_macro_f1_difference"], f"{name}_ci_low": e["ci"][0],
                         f"{name}_ci_high": e["ci"][1]})
+    total = sum(seconds.values()) or 1.0
+    metrics.update({f"time/{stage}_s": s for stage, s in seconds.items()})
+    metrics["time/pretrain_share"] = seconds.get("pretrain", 0.0) / total
     ctx.publish_metrics(metrics)
     return StageOutput(files, counts, metrics,
                        log_artifacts=[f for f in files if not f.endswith(".parquet")])

@@ -80,8 +80,9 @@ PIPELINE: tuple[StageSpec, ...] = (
                                  "finetune/classifier.json", "pretrain/history.json",
                                  "pretrain/loss_curve.png", "split/audit.json"),
               sections=("compare",),
-              # the report's context: pretraining budget, corpus size
-              manifests=("pretrain", "encode")),
+              # the report's context: pretraining budget, corpus size, every stage's wall time
+              manifests=("ingest", "dedup", "split", "tokenizer", "encode", "masks", "pretrain",
+                         "finetune", "baseline")),
 )
 STAGE_NAMES: tuple[str, ...] = tuple(spec.name for spec in PIPELINE)
 

@@ -35,6 +35,25 @@ def test_every_stage_ran_and_the_accounting_balances(tiny_run):
     assert split["leakage_pairs"] == 0 and split["groups_across_splits"] == 0
 
 
+def test_the_report_shows_where_the_wall_time_went(tiny_run):
+    from tasks.compare import time_split
+
+    wd, _, _ = tiny_run
+    compare = read_manifest(wd / "compare")
+    stages = ["ingest", "dedup", "split", "tokenizer", "encode", "masks", "pretrain", "finetune",
+              "baseline"]
+    seconds = {s: compare.metrics[f"time/{s}_s"] for s in stages}
+    assert all(v >= 0 for v in seconds.values()) and seconds["pretrain"] > 0
+    for stage in ("pretrain", "finetune", "baseline"):  # no other test reruns these
+        assert seconds[stage] == read_manifest(wd / stage).duration_s
+    assert compare.metrics["time/pretrain_share"] == pytest.approx(
+        seconds["pretrain"] / sum(seconds.values()))
+    context = json.loads((wd / "compare" / "report.json").read_text())["context"]
+    assert context["stage wall time"] == time_split(seconds)
+    assert time_split({"pretrain": 30.0, "finetune": 10.0}) == \
+        "pretrain 30 s (75%), finetune 10 s (25%); 40 s in all"
+
+
 def test_splits_are_disjoint_and_groups_never_cross(tiny_run):
     wd, _, _ = tiny_run
     assign = pd.read_parquet(wd / "split" / "assignments.parquet")
