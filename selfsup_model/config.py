@@ -160,6 +160,12 @@ class PretrainConfig(_Section):
     static_train_masks: bool = False
     mixed_precision: Literal["auto", "off", "bf16"] = "auto"
     jit: Literal["auto", "on", "off"] = "auto"
+    length_buckets: int = Field(
+        1, ge=1, le=64,
+        description="Train on batches trimmed to a few fixed lengths: this many equal slices of "
+                    "encode.max_len (rounded up to multiples of 8); each window goes in the "
+                    "shortest that holds its real tokens, so less padding is computed. "
+                    "1: every batch at max_len.")
     seed: int = 42
     init_from: str | None = Field(
         None, description="Continue pretraining from another selfsup run: its workdir or its "

@@ -2,10 +2,13 @@
 
 `MetricsReporter` turns the running sums of the model's `TokenWeightedLoss`
 metric into a token-weighted loss over the steps since the previous report
-(differences of sums, divided once), runs validation, and hands everything to
-an injected `log_metrics(metrics, step)`. Its state (history, the partly
-filled report window, counters) travels inside each checkpoint, and a small
-journal of reported steps stops a resumed run from reporting a step twice.
+(differences of sums, divided once), counts the input positions and the real
+(non-[PAD]) tokens each step fed (from an injected `step_tokens(step)`, so
+bucketed batches count the positions they really have), runs validation, and
+hands everything to an injected `log_metrics(metrics, step)`. Its state
+(history, the partly filled report window, counters) travels inside each
+checkpoint, and a small journal of reported steps stops a resumed run from
+reporting a step twice.
 
 `CheckpointSaver` writes the whole training model (weights + optimiser state)
 at the end of every "epoch" (= `checkpoint_every` steps) as
@@ -30,6 +33,8 @@ from selfsup_model.artifacts import atomic_write_json, save_keras_atomic
 LATEST = "latest.json"
 JOURNAL = "reported_steps.txt"
 LogFn = Callable[[dict[str, float], int], None]
+# step (0-based) -> (rows, length, real tokens) of its input_ids: `PretrainBatches.step_tokens`
+StepTokensFn = Callable[[int], tuple[int, int, int]]
 
 
 def rng_state(model: keras.Model) -> dict[str, list[int]]:
@@ -71,36 +76,43 @@ def read_journal(directory: str | os.PathLike) -> set[int]:
 
 class MetricsReporter(keras.callbacks.Callback):
     def __init__(self, *, objective: str, steps_per_epoch: int, total_steps: int,
-                 tokens_per_step: int,
+                 step_tokens: StepTokensFn,
                  log_every: int, eval_every: int, evaluate: Callable[[], dict[str, float]],
                  learning_rate: Callable[[int], float], log_metrics: LogFn | None = None,
                  journal_dir: str | os.PathLike | None = None, state: dict[str, Any] | None = None):
         super().__init__()
         self.objective, self.steps_per_epoch, self.total_steps = (
             objective, steps_per_epoch, total_steps)
-        self.tokens_per_step, self.log_every, self.eval_every = (
-            tokens_per_step, log_every, eval_every)
+        self.step_tokens, self.log_every, self.eval_every = (
+            step_tokens, log_every, eval_every)
         self.evaluate, self.learning_rate, self.log_metrics = evaluate, learning_rate, log_metrics
         self.journal = Path(journal_dir) / JOURNAL if journal_dir is not None else None
         self.reported = read_journal(journal_dir) if journal_dir is not None else set()
         state = state or {}
         self.history: list[dict[str, float]] = list(state.get("history", []))
         self.window = dict(state.get("window", {"loss_sum": 0.0, "weight_sum": 0.0}))
-        self.totals = dict(state.get("totals", {"scored_tokens": 0.0, "empty_batches": 0.0,
-                                                "timed_steps": 0, "timed_seconds": 0.0}))
+        self.totals = {"scored_tokens": 0.0, "empty_batches": 0.0, "timed_steps": 0,
+                       "timed_seconds": 0.0, "timed_positions": 0, "timed_real_tokens": 0,
+                       "positions": 0, "real_tokens": 0, **state.get("totals", {})}
         self.epoch, self.step = 0, 0
         self._seen = (0.0, 0.0, 0.0)
         self._t_prev: float | None = None
-        self._first_batch = True
+        self._shapes_run: set[tuple[int, int]] = set()  # input shapes this process has run
 
     def state(self) -> dict[str, Any]:
         return {"history": self.history, "window": dict(self.window), "totals": dict(self.totals)}
 
     @property
     def tokens_per_s(self) -> float:
+        """Input positions (padding included) per second of timed steps."""
         t = self.totals
-        return (t["timed_steps"] * self.tokens_per_step / t["timed_seconds"]
-                if t["timed_seconds"] > 0 else 0.0)
+        return t["timed_positions"] / t["timed_seconds"] if t["timed_seconds"] > 0 else 0.0
+
+    @property
+    def real_tokens_per_s(self) -> float:
+        """Real (non-[PAD]) input tokens per second of timed steps."""
+        t = self.totals
+        return t["timed_real_tokens"] / t["timed_seconds"] if t["timed_seconds"] > 0 else 0.0
 
     def on_epoch_begin(self, epoch, logs=None):
         # Keras resets metric state at every epoch start: the running sums restart at 0.
@@ -109,11 +121,17 @@ class MetricsReporter(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         now = time.perf_counter()
-        if not self._first_batch:  # the first step of a process includes tracing/compilation
+        self.step = self.epoch * self.steps_per_epoch + batch + 1
+        rows, length, real = self.step_tokens(self.step - 1)
+        self.totals["positions"] += rows * length
+        self.totals["real_tokens"] += real
+        # A process's first step of each input shape includes tracing/compilation: not timed.
+        if (rows, length) in self._shapes_run:
             self.totals["timed_steps"] += 1
             self.totals["timed_seconds"] += now - self._t_prev
-        self._first_batch = False
-        self.step = self.epoch * self.steps_per_epoch + batch + 1
+            self.totals["timed_positions"] += rows * length
+            self.totals["timed_real_tokens"] += real
+        self._shapes_run.add((rows, length))
         self._accumulate(logs or {})
         metrics: dict[str, float] = {}
         if self.step % self.log_every == 0 or self.step == self.total_steps:
@@ -142,8 +160,11 @@ class MetricsReporter(keras.callbacks.Callback):
         out["train/scored_tokens"] = w["weight_sum"]
         out["train/empty_batches"] = self.totals["empty_batches"]
         out["train/learning_rate"] = self.learning_rate(self.step)
+        out["train/tokens_seen"] = self.totals["positions"]
+        out["train/real_tokens_seen"] = self.totals["real_tokens"]
         if self.totals["timed_seconds"] > 0:
             out["train/tokens_per_s"] = self.tokens_per_s
+            out["train/real_tokens_per_s"] = self.real_tokens_per_s
         self.window = {"loss_sum": 0.0, "weight_sum": 0.0}
         return out
 

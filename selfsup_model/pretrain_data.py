@@ -1,18 +1,33 @@
 """Pretraining batches: a pure function of the global step, so a resumed run replays exactly.
 
-Step s reads stream positions [s*B, (s+1)*B) of an endless sequence of passes
-over the training windows; pass p visits the windows in the order of a
-permutation seeded by (seed, p). Corruption for step s is drawn from a
-Generator seeded by (seed, s) (dynamic masking: a window gets a new selection
-on every pass) or, with static training masks, by (seed, window index), which
-gives each window the same corruption on every pass. Nothing depends on which
-batches were built before, which is what makes `fit(initial_epoch=...)` after
-a kill reproduce an uninterrupted run.
+Without length buckets (`length_buckets=1`), step s reads stream positions
+[s*B, (s+1)*B) of an endless sequence of passes over the training windows;
+pass p visits the windows in the order of a permutation seeded by (seed, p).
+
+With length buckets, a window belongs to the shortest bucket length that holds
+all its non-[PAD] positions, and each pass is laid out in whole batches: every
+bucket's windows in an order seeded by (seed, p), cut into full batches of B;
+the leftovers of all buckets, shortest first, cut into batches at the longest
+length they need (so at most one batch of the pass is short, and its shape is
+the same in every pass); then the batch order is permuted (seeded) so lengths
+mix through the pass. Every window is visited once per pass, a pass is always
+ceil(n / B) batches, and step s is batch s mod ceil(n / B) of pass
+s // ceil(n / B). A batch is trimmed to its length: only [PAD] columns go, so
+the model's outputs at real positions do not change, and the set of shapes is
+small and fixed (a compiled backend builds one program per shape).
+
+Corruption for step s is drawn from a Generator seeded by (seed, s) (dynamic
+masking: a window gets a new selection on every pass) or, with static training
+masks, by (seed, window index) on the untrimmed window, which gives each window
+the same corruption on every pass. Nothing depends on which batches were built
+before, which is what makes `fit(initial_epoch=...)` after a kill reproduce an
+uninterrupted run.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import keras
 import numpy as np
@@ -20,19 +35,56 @@ import numpy as np
 from selfsup_model.config import MaskingConfig, PretrainConfig
 from selfsup_model.errors import UserError
 from selfsup_model.masking import mask_tokens
-from selfsup_model.specials import NUM_SPECIAL
+from selfsup_model.specials import NUM_SPECIAL, PAD_ID
 from selfsup_model.windows import causal_lm_batch
 
 # Independent random streams per purpose, so the pass order and the corruption
 # of equal-numbered passes/steps are not the same numbers.
 _ORDER_STREAM, _DYNAMIC_STREAM, _STATIC_STREAM = 0, 1, 2
+_CHUNK_ROWS = 1 << 16  # windows scanned at a time when measuring lengths (bounded memory)
+
+
+class StepTokens(NamedTuple):
+    """What one step feeds the model: `rows` x `length` input positions, `real` of them
+    not [PAD]."""
+    rows: int
+    length: int
+    real: int
+
+    @property
+    def positions(self) -> int:
+        return self.rows * self.length
 
 
 def budget_steps(cfg: PretrainConfig, max_len: int) -> int:
-    """Optimiser steps of the run: `steps`, or ceil(max_tokens / (batch * max_len)) input tokens."""
+    """Optimiser steps of the run: `steps`, or ceil(max_tokens / (batch * max_len)) input tokens
+    (counted at the full window length, so the step count does not depend on bucketing)."""
     if cfg.max_tokens is not None:
         return max(1, math.ceil(cfg.max_tokens / (cfg.batch_size * max_len)))
     return cfg.steps
+
+
+def bucket_lengths(max_len: int, buckets: int) -> tuple[int, ...]:
+    """The sequence lengths batches are trimmed to: `buckets` equal slices of max_len, each
+    rounded up to a multiple of 8 and capped at max_len (duplicates merge); 1 -> (max_len,)."""
+    if buckets < 1:
+        raise ValueError(f"length_buckets must be >= 1, got {buckets}")
+    edges = (math.ceil(max_len * (k + 1) / buckets) for k in range(buckets))
+    return tuple(sorted({min(max_len, -(-edge // 8) * 8) for edge in edges}))
+
+
+def real_lengths(windows) -> tuple[np.ndarray, np.ndarray]:
+    """(n,) non-[PAD] token counts and (n,) extents (last non-[PAD] position + 1) per window.
+    The two agree for right-padded windows; trimming keeps the extent, so it would stay safe
+    even if they did not."""
+    n, length = windows.shape
+    count, extent = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
+    for start in range(0, n, _CHUNK_ROWS):
+        real = np.asarray(windows[start:start + _CHUNK_ROWS]) != PAD_ID  # (chunk, L)
+        count[start:start + len(real)] = np.count_nonzero(real, axis=1)
+        last = length - np.argmax(real[:, ::-1], axis=1)  # (chunk,)
+        extent[start:start + len(real)] = np.where(real.any(axis=1), last, 0)
+    return count, extent
 
 
 def check_windows(windows, vocab_size: int) -> None:
@@ -47,13 +99,21 @@ def check_windows(windows, vocab_size: int) -> None:
                         f"got {vocab_size}")
 
 
+class _PassLayout(NamedTuple):
+    flat: np.ndarray  # (n,) window indices, batch after batch
+    starts: np.ndarray  # (batches + 1,) where each batch begins in `flat`
+    lengths: np.ndarray  # (batches,) the length each batch is trimmed to
+
+
 class PretrainBatches(keras.utils.PyDataset):
     """Item i is global step `start_step + i`: mlm -> ({input_ids, mask_positions}, mask_ids,
-    mask_weights); clm -> ({input_ids}, target_ids, loss_weights), all fixed-shape."""
+    mask_weights); clm -> ({input_ids}, target_ids, loss_weights). input_ids (and clm's
+    targets/weights) are (B, Lb) for the step's bucket length Lb (clm: Lb - 1); the mlm
+    gathered arrays keep their fixed width P = masking.max_predictions."""
 
     def __init__(self, windows, *, objective: str, batch_size: int, total_steps: int, seed: int,
                  masking: MaskingConfig | None = None, vocab_size: int | None = None,
-                 static_masks: bool = False, start_step: int = 0):
+                 static_masks: bool = False, start_step: int = 0, length_buckets: int = 1):
         # One worker, no multiprocessing: the batch for an index is built on demand and
         # tf.data's prefetch overlaps it with the step; workers would copy the memmap.
         super().__init__(workers=1, use_multiprocessing=False)
@@ -62,7 +122,22 @@ class PretrainBatches(keras.utils.PyDataset):
         self.windows, self.objective, self.batch_size = windows, objective, int(batch_size)
         self.total_steps, self.start_step, self.seed = int(total_steps), int(start_step), int(seed)
         self.masking, self.vocab_size, self.static_masks = masking, vocab_size, static_masks
+        self.max_len = int(windows.shape[1])
+        self.bucket_lengths = bucket_lengths(self.max_len, int(length_buckets))
+        self.real, extent = real_lengths(windows)  # (n,), (n,)
+        self.bucket_of = np.searchsorted(self.bucket_lengths, extent)  # (n,) bucket index
+        self._members = [np.flatnonzero(self.bucket_of == b)
+                         for b in range(len(self.bucket_lengths))]
         self._orders: dict[int, np.ndarray] = {}
+        self._layouts: dict[int, _PassLayout] = {}
+
+    @property
+    def bucketed(self) -> bool:
+        return len(self.bucket_lengths) > 1
+
+    @property
+    def batches_per_pass(self) -> int:
+        return math.ceil(len(self.windows) / self.batch_size)
 
     def __len__(self) -> int:
         return max(0, self.total_steps - self.start_step)
@@ -82,8 +157,41 @@ class PretrainBatches(keras.utils.PyDataset):
             self._orders[pass_index] = order
         return order
 
+    def _layout(self, pass_index: int) -> _PassLayout:
+        layout = self._layouts.get(pass_index)
+        if layout is None:
+            layout = self._lay_out(pass_index)
+            # Keep the neighbours: prefetching may ask for the next pass before this one ends.
+            self._layouts = {p: x for p, x in self._layouts.items() if p >= pass_index - 1}
+            self._layouts[pass_index] = layout
+        return layout
+
+    def _lay_out(self, pass_index: int) -> _PassLayout:
+        rng = np.random.default_rng([self.seed, _ORDER_STREAM, pass_index])
+        size, batches, spare = self.batch_size, [], []
+        for members in self._members:
+            shuffled = members[rng.permutation(len(members))]
+            cut = len(shuffled) - len(shuffled) % size
+            batches += [shuffled[i:i + size] for i in range(0, cut, size)]
+            spare.append(shuffled[cut:])
+        pool = np.concatenate(spare)  # bucket by bucket, shortest first
+        # Cut from the longest end: the one short batch (if any) holds the shortest windows.
+        batches += [pool[max(0, end - size):end] for end in range(len(pool), 0, -size)]
+        batches = [batches[i] for i in rng.permutation(len(batches))]
+        lengths = np.array([self.bucket_lengths[self.bucket_of[b].max()] for b in batches])
+        starts = np.cumsum([0] + [len(b) for b in batches])
+        return _PassLayout(np.concatenate(batches), starts, lengths)
+
+    def _locate(self, step: int) -> tuple[_PassLayout, int]:
+        pass_index, batch = divmod(step, self.batches_per_pass)
+        return self._layout(pass_index), batch
+
     def window_indices(self, step: int) -> np.ndarray:
-        """(B,) indices of the windows that global step `step` (0-based) trains on."""
+        """(B,) indices of the windows that global step `step` (0-based) trains on (with
+        buckets, fewer for the one short batch of a pass)."""
+        if self.bucketed:
+            layout, batch = self._locate(step)
+            return layout.flat[layout.starts[batch]:layout.starts[batch + 1]]
         n = len(self.windows)
         stream = step * self.batch_size + np.arange(self.batch_size, dtype=np.int64)
         passes, offsets = np.divmod(stream, n)
@@ -93,21 +201,63 @@ class PretrainBatches(keras.utils.PyDataset):
             out[here] = self._order(int(p))[offsets[here]]
         return out
 
+    def step_length(self, step: int) -> int:
+        """The window length step `step` is trimmed to (before the causal shift)."""
+        if not self.bucketed:
+            return self.max_len
+        layout, batch = self._locate(step)
+        return int(layout.lengths[batch])
+
+    def step_tokens(self, step: int) -> StepTokens:
+        """Input positions and real (non-[PAD]) input tokens step `step` feeds, from the window
+        lengths alone (no batch is built): equal to counting the batch's input_ids."""
+        index, length = self.window_indices(step), self.step_length(step)
+        real = self.real[index]  # (B,)
+        if self.objective == "clm":  # inputs are x[:, :length - 1]
+            length -= 1
+            real = np.minimum(real, length)
+        return StepTokens(len(index), length, int(real.sum()))
+
+    def shapes(self) -> set[tuple[int, int]]:
+        """Every (rows, length) input_ids shape a step can have: the same in every pass."""
+        steps = range(self.batches_per_pass) if self.bucketed else range(1)
+        return {(t.rows, t.length) for t in map(self.step_tokens, steps)}
+
     def batch_for_step(self, step: int):
-        index = self.window_indices(step)
+        index, length = self.window_indices(step), self.step_length(step)
         ids = np.asarray(self.windows[index], dtype=np.int32)  # (B, L)
         if self.objective == "clm":
-            b = causal_lm_batch(ids)  # already shifted once: (B, L-1) each
+            b = causal_lm_batch(ids[:, :length])  # already shifted once: (B, Lb-1) each
             return {"input_ids": b["input_ids"]}, b["target_ids"], b["loss_weights"]
-        m = self._corrupt(ids, index, step)
-        x = {"input_ids": m["input_ids"], "mask_positions": m["mask_positions"]}  # (B, L), (B, P)
+        m = self._corrupt(ids, index, step, length)
+        x = {"input_ids": m["input_ids"], "mask_positions": m["mask_positions"]}  # (B, Lb), (B, P)
         return x, m["mask_ids"], m["mask_weights"]  # (B, P), (B, P)
 
-    def _corrupt(self, ids: np.ndarray, index: np.ndarray, step: int) -> dict[str, np.ndarray]:
+    def _corrupt(self, ids: np.ndarray, index: np.ndarray, step: int,
+                 length: int) -> dict[str, np.ndarray]:
         if not self.static_masks:
             rng = np.random.default_rng([self.seed, _DYNAMIC_STREAM, step])
-            return mask_tokens(ids, rng, self.masking, self.vocab_size)
+            return mask_tokens(np.ascontiguousarray(ids[:, :length]), rng, self.masking,
+                               self.vocab_size)
+        # Corrupted at full length, then trimmed: the same draws whatever batch a window is in.
         rows = [mask_tokens(ids[i:i + 1],
                             np.random.default_rng([self.seed, _STATIC_STREAM, int(w)]),
                             self.masking, self.vocab_size) for i, w in enumerate(index)]
-        return {key: np.concatenate([r[key] for r in rows]) for key in rows[0]}
+        out = {key: np.concatenate([r[key] for r in rows]) for key in rows[0]}
+        out["input_ids"] = np.ascontiguousarray(out["input_ids"][:, :length])
+        return out
+
+
+def fit_input(data: PretrainBatches):
+    """What `fit` reads. Keras types a PyDataset for TensorFlow from its first two batches, so
+    with buckets (which those two may not show) the batches go through tf.data with the varying
+    dimensions left open: one traced function, which XLA compiles once per concrete shape."""
+    if not data.bucketed or keras.backend.backend() != "tensorflow":
+        return data
+    import tensorflow as tf  # only on the TensorFlow backend
+
+    spec = keras.tree.map_structure(
+        lambda a: tf.TensorSpec((None,) * a.ndim, tf.as_dtype(a.dtype)), data[0])
+    dataset = tf.data.Dataset.from_generator(
+        lambda: (data[i] for i in range(len(data))), output_signature=spec)
+    return dataset.prefetch(tf.data.AUTOTUNE)

@@ -42,7 +42,7 @@ from selfsup_model.pretrain_callbacks import (
     read_checkpoint,
     restore_rng_state,
 )
-from selfsup_model.pretrain_data import PretrainBatches, budget_steps, check_windows
+from selfsup_model.pretrain_data import PretrainBatches, budget_steps, check_windows, fit_input
 from selfsup_model.saving import load_keras_model
 
 
@@ -77,9 +77,11 @@ def resolve_jit(setting: str) -> bool:
 @dataclasses.dataclass(frozen=True)
 class PretrainResult:
     steps: int
-    tokens_seen: int  # input positions fed (steps * batch * max_len), padding included
+    tokens_seen: int  # input positions fed (sum of batch * length over steps), padding included
+    real_tokens_seen: int  # of which not [PAD]
     scored_tokens: float  # predictions that counted in the loss
-    tokens_per_s: float  # of this process's steps after the first (compile excluded)
+    tokens_per_s: float  # input positions/s of this process's steps (compile steps excluded)
+    real_tokens_per_s: float  # real input tokens/s of the same steps
     empty_batches: int  # batches with nothing scored (loss 0, counted)
     resumed_from_step: int
     val_metrics: dict[str, float]
@@ -134,19 +136,19 @@ def pretrain(train_windows, val_masks, vocab_size: int, model_cfg: ModelConfig,
                 "val/unigram_baseline_loss": baseline}
 
     schedule = build_schedule(cfg, total)  # the optimiser's own (same config: same fingerprint)
+    data = PretrainBatches(train_windows, objective=obj, batch_size=cfg.batch_size,
+                           total_steps=total, seed=cfg.seed, masking=masking_cfg,
+                           vocab_size=vocab_size, static_masks=cfg.static_train_masks,
+                           start_step=start_step, length_buckets=cfg.length_buckets)
     reporter = MetricsReporter(
         objective=obj, steps_per_epoch=per_epoch, total_steps=total,
-        tokens_per_step=cfg.batch_size * max_len,
+        step_tokens=data.step_tokens,
         log_every=cfg.log_every, eval_every=cfg.eval_every, evaluate=evaluate,
         learning_rate=lambda step: float(ops.convert_to_numpy(schedule(step - 1))),
         log_metrics=log_metrics, journal_dir=ckpt_dir, state=state)
     saver = CheckpointSaver(ckpt_dir, steps_per_epoch=per_epoch, total_steps=total,
                             reporter=reporter, fingerprint=fingerprint)
     if start_step < total:
-        data = PretrainBatches(train_windows, objective=obj, batch_size=cfg.batch_size,
-                               total_steps=total,
-                               seed=cfg.seed, masking=masking_cfg, vocab_size=vocab_size,
-                               static_masks=cfg.static_train_masks, start_step=start_step)
         verbose = (1 if sys.stdout.isatty() else 2) if progress else 0
         with warnings.catch_warnings():
             # The last epoch is shorter when checkpoint_every does not divide the budget;
@@ -154,15 +156,14 @@ def pretrain(train_windows, val_masks, vocab_size: int, model_cfg: ModelConfig,
             warnings.filterwarnings("ignore", message="Your input ran out of data")
             # shuffle=False: Keras would otherwise permute a PyDataset's batch indices, and
             # index i must stay global step start_step + i (the order is shuffled per pass inside).
-            model.fit(data, epochs=math.ceil(total / per_epoch), steps_per_epoch=per_epoch,
-                      initial_epoch=initial_epoch, callbacks=[reporter, saver], verbose=verbose,
-                      shuffle=False)
+            model.fit(fit_input(data), epochs=math.ceil(total / per_epoch),
+                      steps_per_epoch=per_epoch, initial_epoch=initial_epoch,
+                      callbacks=[reporter, saver], verbose=verbose, shuffle=False)
 
     if (not reporter.history or reporter.history[-1]["step"] != total
             or not _has_val(reporter.history[-1])):
         reporter.emit(total, evaluate())  # e.g. resumed from the final checkpoint
-    return _write_outputs(out_dir, model, export_model, reporter, total, start_step, cfg, max_len,
-                          baseline)
+    return _write_outputs(out_dir, model, export_model, reporter, total, start_step, cfg, baseline)
 
 
 def _check_val_masks(val_masks, max_len: int) -> None:
@@ -203,16 +204,16 @@ def _has_val(entry: dict[str, Any]) -> bool:
 
 
 def _write_outputs(out_dir: Path, model, export_model, reporter: MetricsReporter, total: int,
-                   start_step: int, cfg: PretrainConfig, max_len: int,
-                   baseline: float) -> PretrainResult:
+                   start_step: int, cfg: PretrainConfig, baseline: float) -> PretrainResult:
     encoder_path = save_keras_atomic(model.backbone, out_dir / "encoder.keras")
     export_path = save_keras_atomic(export_model, out_dir / "pretrain_model.keras")
     history_path = atomic_write_json(out_dir / "history.json", reporter.history)
     curve_path = plot_loss_curve(reporter.history, cfg.objective, out_dir / "loss_curve.png")
-    final = reporter.history[-1]
+    final, totals = reporter.history[-1], reporter.totals
     return PretrainResult(
-        steps=total, tokens_seen=total * cfg.batch_size * max_len,
-        scored_tokens=reporter.totals["scored_tokens"], tokens_per_s=reporter.tokens_per_s,
+        steps=total, tokens_seen=int(totals["positions"]),
+        real_tokens_seen=int(totals["real_tokens"]), scored_tokens=totals["scored_tokens"],
+        tokens_per_s=reporter.tokens_per_s, real_tokens_per_s=reporter.real_tokens_per_s,
         empty_batches=int(reporter.totals["empty_batches"]), resumed_from_step=start_step,
         val_metrics={k: v for k, v in final.items() if k.startswith("val/")},
         unigram_baseline_loss=baseline, encoder_path=encoder_path, pretrain_model_path=export_path,

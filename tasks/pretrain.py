@@ -27,10 +27,12 @@ def compute(ctx: RunContext, out: Path, inputs: dict[str, Path]) -> StageOutput:
                       log_metrics=ctx.metric_logger(), init=init,
                       tokenizer_sha256=sha256_file(inputs["tokenizer/tokenizer.json"]))
     counts = {"steps": result.steps, "tokens_seen": result.tokens_seen,
+              "real_tokens_seen": result.real_tokens_seen,
               "scored_tokens": int(result.scored_tokens), "empty_batches": result.empty_batches,
               "resumed_from_step": result.resumed_from_step, "train_windows": int(windows.shape[0]),
               "initialised_from": init.describe() if init else "random initialisation"}
     metrics = {**result.val_metrics, "val/unigram_baseline_loss": result.unigram_baseline_loss,
-               "train/tokens_per_s": result.tokens_per_s}
+               "train/tokens_per_s": result.tokens_per_s,
+               "train/real_tokens_per_s": result.real_tokens_per_s}
     return StageOutput(OUTPUTS, counts, metrics, log_artifacts=["history.json", "loss_curve.png"])
 

@@ -171,6 +171,11 @@ def finished_run(tmp_path_factory):
 def test_tiny_run_beats_the_unigram_baseline_and_writes_its_artifacts(finished_run):
     out, result, logged = finished_run
     assert result.steps == 40 and result.tokens_seen == 40 * 16 * L
+    real = np.count_nonzero(topic_windows(512, 0) != PAD_ID, axis=1)  # (512,)
+    data = PretrainBatches(topic_windows(512, 0), objective="mlm", batch_size=16, total_steps=40,
+                           seed=42, masking=MASKS, vocab_size=V)
+    assert result.real_tokens_seen == sum(real[data.window_indices(s)].sum() for s in range(40))
+    assert 0 < result.real_tokens_per_s < result.tokens_per_s
     assert result.val_metrics["val/mlm_loss"] < result.unigram_baseline_loss - 0.2
     for name in ("encoder.keras", "pretrain_model.keras", "history.json", "loss_curve.png"):
         assert (out / name).stat().st_size > 0
@@ -179,6 +184,9 @@ def test_tiny_run_beats_the_unigram_baseline_and_writes_its_artifacts(finished_r
     assert [h["step"] for h in history] == [10, 20, 30, 40] == [entry["step"] for entry in logged]
     for entry in logged:  # a scored-token count beside every loss, never an MLM "perplexity"
         assert "train/scored_tokens" in entry and "train/mlm_loss" in entry
+        positions = entry["step"] * 16 * L
+        assert entry["train/real_tokens_seen"] <= entry["train/tokens_seen"] == positions
+        assert {"train/tokens_per_s", "train/real_tokens_per_s"} <= set(entry)
         assert not any("perplexity" in key for key in entry)
     assert {"val/mlm_loss", "val/mlm_accuracy", "val/scored_tokens",
             "val/unigram_baseline_loss"} <= set(logged[-1])
@@ -195,15 +203,18 @@ def test_logged_final_val_loss_is_recomputable_from_the_saved_model(finished_run
     assert again["scored_tokens"] == logged[-1]["val/scored_tokens"] == val["loss_weights"].sum()
 
 
-def test_killed_run_resumes_to_the_same_result(tmp_path):
+@pytest.mark.parametrize("buckets", [1, 3])
+def test_killed_run_resumes_to_the_same_result(tmp_path, buckets):
     # Dropout on: the resumed run must also replay the dropout random streams.
     ref_log = tmp_path / "reference.jsonl"
-    reference = tiny_run(str(tmp_path / "reference"), str(ref_log), dropout=0.1)
+    reference = tiny_run(str(tmp_path / "reference"), str(ref_log), dropout=0.1,
+                         length_buckets=buckets)
     ref_logged = [json.loads(line) for line in ref_log.read_text().splitlines()]
     out, log = tmp_path / "run", tmp_path / "logged.jsonl"
     code = ("import sys; sys.path.insert(0, sys.argv[1]); from tests.model.test_pretraining import "
-            "tiny_run; tiny_run(sys.argv[2], sys.argv[3], dropout=0.1)")
-    cmd = [sys.executable, "-c", code, str(ROOT), str(out), str(log)]
+            "tiny_run; tiny_run(sys.argv[2], sys.argv[3], dropout=0.1, "
+            "length_buckets=int(sys.argv[4]))")
+    cmd = [sys.executable, "-c", code, str(ROOT), str(out), str(log), str(buckets)]
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
     first = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     latest, deadline = out / "checkpoints" / "latest.json", time.monotonic() + 60
@@ -225,3 +236,4 @@ def test_killed_run_resumes_to_the_same_result(tmp_path):
     # Same batches, optimiser state and dropout draws: it ends where the uninterrupted run did.
     assert history[-1]["val/mlm_loss"] == pytest.approx(reference.val_metrics["val/mlm_loss"],
                                                         abs=1e-6)
+    assert history[-1]["train/real_tokens_seen"] == reference.real_tokens_seen
