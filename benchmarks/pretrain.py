@@ -1,34 +1,55 @@
-"""Pretraining throughput on the current Keras backend, compile time excluded.
+"""Pretraining throughput on the current Keras backend, compile time excluded; with --peer, side
+by side with plain Keras and Hugging Face peers of the same size, interleaved in one process.
 
     .venv/bin/python benchmarks/pretrain.py                        # tiny and demo presets
     .venv/bin/python benchmarks/pretrain.py --sizes tiny,demo,base --steps 30
     .venv/bin/python benchmarks/pretrain.py --config-4x256 --jit on  # the issue's reference
-    .venv/bin/python benchmarks/pretrain.py --size custom --hidden 256 --layers 4 --ff 1024 \\
-        --vocab 8192 --seq 128 --batch 32 --peak-tflops 0.2 --peer hf
+    .venv/bin/python benchmarks/pretrain.py --config-4x256 --dropout 0 --peer keras,hf
+    .venv/bin/python benchmarks/pretrain.py --config-4x256 --dropout 0.1 \\
+        --peer keras,hf,keras-draws,no-dropout --rounds 6 --steps 4
+    KERAS_BACKEND=jax python benchmarks/pretrain.py --sizes base --precision bf16 --jit on \\
+        --steps 50 --val-loss --peak-tflops 989 --block-tensorflow   # benchmarks/gpu_check.sh
 
 A size is a preset from `selfsup_model.config.PRESETS` merged into
 PipelineConfig (model, encode.max_len, tokenizer.vocab_size, pretrain.batch_size,
-masks.max_predictions). Windows are synthetic, framed [CLS] ... [SEP] and
-padded like real ones. The timed run is `model.fit` over the real
-`PretrainBatches` pipeline, after `--warmup` steps that absorb tracing and XLA
-compilation. tokens/s counts every input position (batch * seq, padding
-included), the same definition as the pretrain stage's budget.
+masks.max_predictions). Windows are synthetic with the demo corpus's length mix
+(benchmarks/synthetic.py: 14% padding at 64 tokens, 29% at 128). The timed run
+is `model.fit` over the real `PretrainBatches` pipeline (with `--length-buckets`
+where the data path has them), after `--warmup` steps that absorb tracing and
+XLA compilation. Two rates: positions/s counts every input position fed
+(batch x its length, padding included); real tokens/s counts the non-[PAD] ones,
+the work that is the same for every contender.
+
+Peers (`--peer`, comma-separated), each timed in turn with ours, `--steps` steps
+per contender per round, for `--rounds` rounds, so load from other jobs hits all:
+  keras        a plain Keras 3 BERT (post-LN, keras.layers.MultiHeadAttention, exact gelu,
+               untied heads, AdamW, SparseCategoricalCrossentropy with sample weights,
+               model.fit on numpy arrays, compile's default jit) in two variants:
+               keras-full (vocabulary head on every position) and keras-gathered (the head
+               on the P selected positions, like ours)
+  hf           Hugging Face BertForMaskedLM on PyTorch CPU (the `bench` extra)
+  keras-draws  ours, but with keras' own dropout draws (the dropout change's before)
+  no-dropout   ours at dropout 0 (what dropout costs)
+Peers see exactly ours' batches of those steps, at full length (as a plain user pads).
 
 FLOPs/token (forward + backward) = 6 * (non-embedding params + V*H*P/L, the
 gathered vocabulary projection) + 12 * layers * L * H (attention scores and
-mixing). MFU = tokens/s * FLOPs/token / --peak-tflops.
+mixing), per input position. MFU = positions/s * FLOPs/token / --peak-tflops.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.abc
+import inspect
 import json
 import os
 import sys
 import time
+import warnings
 
 import numpy as np
-from synthetic import synthetic_windows
+from synthetic import padding_share, synthetic_windows
 
 from selfsup_model.config import MaskingConfig, ModelConfig, PretrainConfig
 from selfsup_model.presets import build_config
@@ -37,6 +58,7 @@ from selfsup_model.specials import PAD_ID
 REFERENCE = {"hidden": 256, "layers": 4, "ff": 1024, "vocab": 8192, "seq": 128,  # heads = 4
              "batch": 32}
 REFERENCE_TARGET_TOKENS_PER_S = 9_000
+PEERS = ("keras", "hf", "keras-draws", "no-dropout")
 
 
 def size_spec(name: str, args) -> dict:
@@ -68,98 +90,438 @@ def time_data(data, steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
-def bench_size(spec: dict, args) -> dict:
+# --- ours -------------------------------------------------------------------------------------
+
+def bucket_setting(args) -> int | None:
+    """The length_buckets to pass, or None where the data path has no such argument."""
+    from selfsup_model.pretrain_data import PretrainBatches
+
+    if "length_buckets" not in inspect.signature(PretrainBatches).parameters:
+        if args.length_buckets not in (None, 1):
+            print("# --length-buckets ignored: PretrainBatches has no length_buckets yet",
+                  file=sys.stderr)
+        return None
+    if args.length_buckets is not None:
+        return args.length_buckets
+    return getattr(PretrainConfig(), "length_buckets", 1)
+
+
+def make_batches(spec: dict, windows, total: int, buckets: int | None):
+    from selfsup_model.pretrain_data import PretrainBatches
+
+    extra = {} if buckets is None else {"length_buckets": buckets}
+    return PretrainBatches(windows, objective="mlm", batch_size=spec["batch"], total_steps=total,
+                           seed=0, masking=MaskingConfig(max_predictions=spec["predictions"]),
+                           vocab_size=spec["vocab"], **extra)
+
+
+def step_tokens(data, step: int) -> tuple[int, int]:
+    """(positions, real tokens) that `step` feeds."""
+    if hasattr(data, "step_tokens"):
+        t = data.step_tokens(step)
+        return t.positions, t.real
+    ids = data.batch_for_step(step)[0]["input_ids"]
+    return int(ids.size), int(np.count_nonzero(ids != PAD_ID))
+
+
+def build_ours(spec: dict, args, total: int, dropout_draws: str = "bytes"):
+    """Our compiled PretrainingModel; `dropout_draws="keras"` swaps our byte-mask dropout for
+    keras.layers.Dropout inside the blocks (the dropout change's before)."""
     import keras
 
+    from selfsup_model import layers as our_layers
     from selfsup_model.model import build_backbone, build_pretraining_model
-    from selfsup_model.pretrain_data import PretrainBatches
     from selfsup_model.pretraining import build_optimizer, resolve_jit, resolve_precision
 
     model_cfg = ModelConfig(hidden=spec["hidden"], layers=spec["layers"], heads=spec["heads"],
                             ff=spec["ff"], dropout=spec["dropout"])
-    total = args.warmup + args.steps
     pre_cfg = PretrainConfig(batch_size=spec["batch"], steps=total, warmup_steps=min(10, total),
                              mixed_precision=args.precision, jit=args.jit)
-    masks = MaskingConfig(max_predictions=spec["predictions"])
-    windows = synthetic_windows(np.random.default_rng(0), max(4 * spec["batch"], 512), spec["seq"],
-                                spec["vocab"])
-    data = PretrainBatches(windows, objective="mlm", batch_size=spec["batch"], total_steps=total,
-                           seed=0, masking=masks, vocab_size=spec["vocab"])
-    data_s = time_data(data, min(args.steps, 50))
-
     keras.utils.set_random_seed(0)
     policy, jit = resolve_precision(args.precision), resolve_jit(args.jit)
-    backbone = build_backbone(spec["vocab"], spec["seq"], model_cfg, dtype=policy)
+    ours_dropout = getattr(our_layers, "ByteMaskDropout", None)
+    if dropout_draws == "keras" and ours_dropout is not None:
+        our_layers.ByteMaskDropout = keras.layers.Dropout
+    try:
+        backbone = build_backbone(spec["vocab"], spec["seq"], model_cfg, dtype=policy)
+    finally:
+        if ours_dropout is not None:
+            our_layers.ByteMaskDropout = ours_dropout
     model = build_pretraining_model(backbone, "mlm", model_cfg)
     model.compile(optimizer=build_optimizer(pre_cfg, total), jit_compile=jit)
-    emb = backbone.get_layer("embeddings")
-    embedding_params = sum(int(np.prod(v.shape)) for v in emb.weights)
-    non_embedding = model.count_params() - embedding_params
+    return model, policy, jit
 
-    times: list[float] = []
+
+def warm_steps(data, n: int) -> list[int]:
+    """The first `n` steps plus, with length buckets, the first step of every other batch shape,
+    so no timed step traces or compiles."""
+    steps = list(range(n))
+    if getattr(data, "bucketed", False):
+        seen = {data.step_tokens(s)[:2] for s in steps}
+        for s in range(data.batches_per_pass):
+            shape = data.step_tokens(s)[:2]
+            if shape not in seen:
+                seen.add(shape)
+                steps.append(s)
+    return steps
+
+
+def fit_source(data, steps: list[int]):
+    """A PyDataset over the given global steps of `data`, as the pipeline's `fit` reads it."""
+    import keras
+
+    class Steps(keras.utils.PyDataset):
+        bucketed = getattr(data, "bucketed", False)
+
+        def __init__(self):
+            super().__init__(workers=1, use_multiprocessing=False)
+
+        def __len__(self):
+            return len(steps)
+
+        def __getitem__(self, i):
+            return data.batch_for_step(steps[i])
+
+    try:
+        from selfsup_model.pretrain_data import fit_input
+    except ImportError:  # the data path before length buckets
+        return Steps()
+    return fit_input(Steps())
+
+
+def step_timer():
+    """A Keras callback collecting each train step's wall time in `.times`."""
+    import keras
 
     class StepTimer(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.times: list[float] = []
+
         def on_train_batch_begin(self, batch, logs=None):
             self.t = time.perf_counter()
 
         def on_train_batch_end(self, batch, logs=None):
-            float(logs["mlm_loss_sum"])  # wait for the step (TF and JAX dispatch asynchronously)
-            times.append(time.perf_counter() - self.t)
+            float(next(iter(logs.values())))  # wait for the step (TF and JAX are asynchronous)
+            self.times.append(time.perf_counter() - self.t)
 
+    return StepTimer()
+
+
+def bench_size(spec: dict, args) -> dict:
+    """One size alone: step times, positions/s, real tokens/s, MFU (and, with --val-loss, the
+    validation MLM loss after the run's steps)."""
+    import keras
+
+    total = args.warmup + args.steps
+    # With --val-loss, enough windows that a short run learns the chain, not the windows.
+    pool = max((16 if args.val_loss else 4) * spec["batch"], 512)
+    windows = synthetic_windows(np.random.default_rng(0), pool, spec["seq"], spec["vocab"],
+                                structured=args.val_loss)
+    buckets = bucket_setting(args)
+    data = make_batches(spec, windows, total, buckets)
+    data_s = time_data(data, min(args.steps, 50))
+    model, policy, jit = build_ours(spec, args, total)
+    emb = model.backbone.get_layer("embeddings")
+    non_embedding = model.count_params() - sum(int(np.prod(v.shape)) for v in emb.weights)
+
+    warm = step_timer()
     compile_start = time.perf_counter()
-    model.fit(data, epochs=1, steps_per_epoch=total, verbose=0, shuffle=False,
-              callbacks=[StepTimer()])
+    timed = list(range(args.warmup, total))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Your input ran out of data")
+        model.fit(fit_source(data, warm_steps(data, args.warmup)), epochs=1, verbose=0,
+                  shuffle=False, callbacks=[warm])
+        # No per-step sync here: JAX and TF dispatch asynchronously, so building the next batch
+        # overlaps the device's step, as in a real run. fit's epoch-end logs wait for the last.
+        start = time.perf_counter()
+        model.fit(fit_source(data, timed), epochs=1, verbose=0, shuffle=False)
+        seconds = time.perf_counter() - start
     wall = time.perf_counter() - compile_start
-    # Median: the typical step; best: what the machine does when nothing else competes for it.
-    step_s, best_s = float(np.median(times[args.warmup:])), float(np.min(times[args.warmup:]))
-    tokens_per_s = spec["batch"] * spec["seq"] / step_s
+    tokens = np.array([step_tokens(data, s) for s in timed])  # (steps, 2)
+    step_s = seconds / len(timed)
+    positions_per_s = float(tokens[:, 0].sum() / seconds)
+    real_per_s = float(tokens[:, 1].sum() / seconds)
     fpt = flops_per_token(spec, non_embedding)
     out = {**spec, "backend": keras.backend.backend(), "policy": policy, "jit": jit,
-           "params": model.count_params(), "non_embedding_params": non_embedding,
+           "length_buckets": buckets, "params": model.count_params(),
+           "non_embedding_params": non_embedding, "padding_share": round(padding_share(windows), 3),
            "step_ms": round(step_s * 1e3, 2), "data_ms": round(data_s * 1e3, 2),
-           "data_share": round(data_s / step_s, 3), "tokens_per_s": round(tokens_per_s),
-           "tokens_per_s_best_step": round(spec["batch"] * spec["seq"] / best_s),
+           "data_share": round(data_s / step_s, 3), "tokens_per_s": round(positions_per_s),
+           "real_tokens_per_s": round(real_per_s),
            "gflops_per_token": round(fpt / 1e9, 5),
-           "achieved_tflops": round(tokens_per_s * fpt / 1e12, 4),
-           "warmup_s": round(sum(times[:args.warmup]), 2), "wall_s": round(wall, 2)}
+           "achieved_tflops": round(positions_per_s * fpt / 1e12, 4),
+           "warmup_s": round(sum(warm.times), 2), "wall_s": round(wall, 2)}
     if args.peak_tflops:
-        out["mfu"] = round(tokens_per_s * fpt / (args.peak_tflops * 1e12), 4)
+        out["mfu"] = round(positions_per_s * fpt / (args.peak_tflops * 1e12), 4)
+    if args.val_loss:
+        out.update(validation_loss(model, spec, windows))
     return out
 
 
-def bench_hf(spec: dict, args) -> dict | None:
-    """The same architecture as a Hugging Face BertForMaskedLM on torch (CPU), dense MLM head."""
+def validation_loss(model, spec: dict, train_windows) -> dict:
+    """Token-weighted MLM loss on held-out windows (other seed, same generator), static masks,
+    beside the unigram baseline of the training windows."""
+    from selfsup_model.evaluation import (
+        unigram_log_probs,
+        validation_metrics,
+        validation_unigram_loss,
+    )
+    from selfsup_model.masking import make_static_masks
+    from selfsup_model.model import build_pretrain_export_model
+
+    held_out = synthetic_windows(np.random.default_rng(1), 2 * spec["batch"], spec["seq"],
+                                 spec["vocab"], structured=True)
+    masks = make_static_masks(held_out, MaskingConfig(max_predictions=spec["predictions"]),
+                              spec["vocab"], seed=1)
+    export = build_pretrain_export_model(model.backbone, model.head, "mlm")
+    # Full (B, L, V) float32 logits come back to the host: keep the batches small.
+    metrics = validation_metrics(export, "mlm", masks, min(spec["batch"], 32))
+    baseline = validation_unigram_loss(unigram_log_probs(train_windows, spec["vocab"], "mlm"),
+                                       "mlm", masks)
+    return {"val_mlm_loss": round(metrics["val/mlm_loss"], 4),
+            "val_mlm_accuracy": round(metrics["val/mlm_accuracy"], 4),
+            "val_scored_tokens": int(metrics["val/scored_tokens"]),
+            "val_unigram_baseline": round(baseline, 4)}
+
+
+# --- peers ------------------------------------------------------------------------------------
+
+def build_keras_peer(spec: dict, head: str, jit: str):
+    """A plain Keras 3 BERT encoder + MLM head, as a Keras user writes one from the docs."""
+    import keras
+    from keras import layers, ops
+
+    class PositionEmbedding(layers.Layer):
+        def __init__(self, length, width, **kwargs):
+            super().__init__(**kwargs)
+            self.length, self.width = length, width
+
+        def build(self, input_shape):
+            self.table = self.add_weight(shape=(self.length, self.width),
+                                         initializer=keras.initializers.TruncatedNormal(0.02))
+
+        def call(self, x):
+            return x + self.table[None, : ops.shape(x)[1]]
+
+    h, rate, eps = spec["hidden"], spec["dropout"], 1e-12
+    ids = keras.Input((spec["seq"],), dtype="int32", name="input_ids")
+    attention_mask = ops.expand_dims(ops.not_equal(ids, PAD_ID), 1)  # (B, 1, L): real keys
+    x = layers.Embedding(spec["vocab"], h)(ids)
+    x = layers.Dropout(rate)(layers.LayerNormalization(epsilon=eps)(PositionEmbedding(
+        spec["seq"], h)(x)))
+    for _ in range(spec["layers"]):
+        a = layers.MultiHeadAttention(spec["heads"], h // spec["heads"], dropout=rate)(
+            x, x, attention_mask=attention_mask)
+        x = layers.LayerNormalization(epsilon=eps)(x + layers.Dropout(rate)(a))
+        f = layers.Dense(h)(layers.Dense(spec["ff"], activation="gelu")(x))
+        x = layers.LayerNormalization(epsilon=eps)(x + layers.Dropout(rate)(f))
+    inputs = ids
+    if head == "gathered":
+        positions = keras.Input((spec["predictions"],), dtype="int32", name="mask_positions")
+        x = ops.take_along_axis(x, ops.expand_dims(positions, -1), axis=1)  # (B, P, H)
+        inputs = {"input_ids": ids, "mask_positions": positions}
+    x = layers.LayerNormalization(epsilon=eps)(layers.Dense(h, activation="gelu")(x))
+    model = keras.Model(inputs, layers.Dense(spec["vocab"])(x))
+    model.compile(optimizer=keras.optimizers.AdamW(1e-4),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  jit_compile={"auto": "auto", "on": True, "off": False}[jit])
+    return model
+
+
+def dense_targets(batch, seq: int) -> tuple[np.ndarray, np.ndarray]:
+    """Gathered (positions, ids, weights) -> (B, L) targets and weights of a full-length head."""
+    x, ids, weights = batch
+    rows = np.arange(len(ids))[:, None]
+    targets = np.zeros((len(ids), seq), np.int32)
+    dense = np.zeros((len(ids), seq), np.float32)
+    # Unused gathered slots point at position 0 ([CLS], never selected) with weight 0.
+    targets[rows, x["mask_positions"]] = ids
+    dense[rows, x["mask_positions"]] = weights
+    return targets, dense
+
+
+class Contender:
+    """One thing to time: `run(steps)` trains on those global steps, returns their times."""
+
+    def __init__(self, name: str, run, tokens, data=None):
+        self.name, self.run, self.tokens, self.data = name, run, tokens, data
+        self.rounds: list[dict] = []
+
+
+def keras_contender(name: str, model, data_for_steps, tokens) -> Contender:
+    def run(steps):
+        x, y, w = data_for_steps(steps)
+        timer = step_timer()
+        model.fit(x, y, sample_weight=w, batch_size=len(y) // len(steps), epochs=1, verbose=0,
+                  shuffle=False, callbacks=[timer])
+        return timer.times
+    return Contender(name, run, tokens)
+
+
+def ours_contender(name: str, model, data) -> Contender:
+    def run(steps):
+        timer = step_timer()
+        with warnings.catch_warnings():
+            # A bucketed tf.data source has no known length; Keras warns when it ends.
+            warnings.filterwarnings("ignore", message="Your input ran out of data")
+            model.fit(fit_source(data, steps), epochs=1, verbose=0, shuffle=False,
+                      callbacks=[timer])
+        return timer.times
+    return Contender(name, run, lambda s: step_tokens(data, s), data)
+
+
+def hf_contender(spec: dict, reference) -> Contender | None:
+    """The same architecture as a Hugging Face BertForMaskedLM on torch (CPU), dense MLM head,
+    on ours' batches padded to full length."""
     try:
         import torch
         from transformers import BertConfig, BertForMaskedLM
     except ImportError:
         print("peer hf: torch/transformers are not installed; install the bench extra "
-              "(pip install torch transformers) to compare", file=sys.stderr)
+              "(pip install -e '.[bench]') to compare", file=sys.stderr)
         return None
     torch.manual_seed(0)
     cfg = BertConfig(vocab_size=spec["vocab"], hidden_size=spec["hidden"],
                      num_hidden_layers=spec["layers"], num_attention_heads=spec["heads"],
-                     intermediate_size=spec["ff"], max_position_embeddings=spec["seq"])
+                     intermediate_size=spec["ff"], max_position_embeddings=spec["seq"],
+                     hidden_dropout_prob=spec["dropout"],
+                     attention_probs_dropout_prob=spec["dropout"])
     model = BertForMaskedLM(cfg).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    ids = torch.from_numpy(synthetic_windows(np.random.default_rng(0), spec["batch"], spec["seq"],
-                                             spec["vocab"])
-                           .astype(np.int64))
-    labels = torch.full_like(ids, -100)
-    labels[:, 1:1 + spec["predictions"]] = ids[:, 1:1 + spec["predictions"]]
-    times = []
-    for _ in range(args.warmup + args.steps):
-        t = time.perf_counter()
-        loss = model(input_ids=ids, attention_mask=(ids != PAD_ID).long(), labels=labels).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        times.append(time.perf_counter() - t)
-    step_s = float(np.median(times[args.warmup:]))
-    return {"name": f"{spec['name']} (hf torch {torch.__version__}, "
-                    f"{torch.get_num_threads()} threads)",
-            "step_ms": round(step_s * 1e3, 2),
-            "tokens_per_s": round(spec["batch"] * spec["seq"] / step_s)}
+
+    def run(steps):
+        times = []
+        for step in steps:
+            batch = reference.batch_for_step(step)
+            targets, weights = dense_targets(batch, spec["seq"])
+            ids = torch.from_numpy(batch[0]["input_ids"].astype(np.int64))
+            labels = torch.from_numpy(np.where(weights > 0, targets, -100).astype(np.int64))
+            t = time.perf_counter()
+            loss = model(input_ids=ids, attention_mask=(ids != PAD_ID).long(), labels=labels).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            times.append(time.perf_counter() - t)
+        return times
+
+    print(f"# hf: torch {torch.__version__}, {torch.get_num_threads()} threads, attention "
+          f"{model.config._attn_implementation}", file=sys.stderr)
+    return Contender("hf", run, lambda s: step_tokens(reference, s))
+
+
+def contenders(spec: dict, args, windows, peers: list[str]) -> tuple[list[Contender], dict]:
+    total = args.warmup + args.rounds * args.steps
+    buckets = bucket_setting(args)
+    data = make_batches(spec, windows, total, buckets)
+    reference = make_batches(spec, windows, total, None if buckets is None else 1)
+    model, policy, jit = build_ours(spec, args, total)
+    out = [ours_contender("ours", model, data)]
+    if "keras-draws" in peers:
+        out.append(ours_contender("ours-keras-draws",
+                                  build_ours(spec, args, total, dropout_draws="keras")[0], data))
+    if "no-dropout" in peers:
+        out.append(ours_contender("ours-dropout-0",
+                                  build_ours({**spec, "dropout": 0.0}, args, total)[0], data))
+    if "keras" in peers:
+        def gathered(steps):
+            b = [reference.batch_for_step(s) for s in steps]
+            x = {k: np.concatenate([bb[0][k] for bb in b]) for k in b[0][0]}
+            return x, np.concatenate([bb[1] for bb in b]), np.concatenate([bb[2] for bb in b])
+
+        def full(steps):
+            x, _, _ = gathered(steps)
+            dense = [dense_targets(reference.batch_for_step(s), spec["seq"]) for s in steps]
+            return (x["input_ids"], np.concatenate([d[0] for d in dense]),
+                    np.concatenate([d[1] for d in dense]))
+
+        def ref_tokens(step):
+            return step_tokens(reference, step)
+
+        out.append(keras_contender("keras-full", build_keras_peer(spec, "full", args.peer_jit),
+                                   full, ref_tokens))
+        out.append(keras_contender("keras-gathered",
+                                   build_keras_peer(spec, "gathered", args.peer_jit), gathered,
+                                   ref_tokens))
+    if "hf" in peers:
+        hf = hf_contender(spec, reference)
+        if hf is not None:
+            out.append(hf)
+    info = {"policy": policy, "jit": jit, "length_buckets": buckets,
+            "peer_jit": args.peer_jit}
+    return out, info
+
+
+def bench_peers(spec: dict, args, peers: list[str]) -> dict:
+    import keras
+
+    windows = synthetic_windows(np.random.default_rng(0), max(8 * spec["batch"], 1024),
+                                spec["seq"], spec["vocab"])
+    field, info = contenders(spec, args, windows, peers)
+    print(f"# {spec} backend={keras.backend.backend()} {info} padding_share="
+          f"{padding_share(windows):.3f}; {args.rounds} rounds x {args.steps} steps each, "
+          "interleaved", file=sys.stderr)
+    for c in field:  # tracing, compilation, first-touch allocations: never timed
+        c.run(warm_steps(c.data, args.warmup) if c.data is not None else list(range(args.warmup)))
+    for r in range(args.rounds):
+        steps = list(range(args.warmup + r * args.steps, args.warmup + (r + 1) * args.steps))
+        for c in field:
+            times = c.run(steps)
+            tokens = np.array([c.tokens(s) for s in steps])  # (steps, 2)
+            seconds = float(np.sum(times))
+            c.rounds.append({"step_ms": 1e3 * float(np.median(times)),
+                             "positions_per_s": tokens[:, 0].sum() / seconds,
+                             "real_tokens_per_s": tokens[:, 1].sum() / seconds})
+        print(_round_line(r, field), file=sys.stderr, flush=True)
+    return summarise(spec, info, field)
+
+
+def summarise(spec: dict, info: dict, field: list[Contender]) -> dict:
+    ours = field[0]
+    out = {**spec, **info, "contenders": {}}
+    for c in field:
+        med = {k: round(float(np.median([r[k] for r in c.rounds])), 1) for k in c.rounds[0]}
+        entry = {**med}
+        if c is not ours:
+            for k in ("real_tokens_per_s", "positions_per_s"):
+                ratios = [o[k] / p[k] for o, p in zip(ours.rounds, c.rounds, strict=True)]
+                entry[f"ours_over_{k}"] = round(float(np.median(ratios)), 3)
+                entry[f"ours_over_{k}_rounds"] = [round(x, 3) for x in ratios]
+        out["contenders"][c.name] = entry
+    return out
+
+
+def _round_line(r: int, field: list[Contender]) -> str:
+    ours = field[0].rounds[-1]
+    parts = [(f"round {r}: ours {ours['real_tokens_per_s']:,.0f} real tok/s "
+              f"({ours['positions_per_s']:,.0f} pos/s)")]
+    for c in field[1:]:
+        x = c.rounds[-1]
+        parts.append(f"{c.name} {x['real_tokens_per_s']:,.0f} "
+                     f"(ours/{c.name} {ours['real_tokens_per_s'] / x['real_tokens_per_s']:.2f}x)")
+    return "; ".join(parts)
+
+
+def _peer_lines(summary: dict) -> list[str]:
+    lines = []
+    for name, e in summary["contenders"].items():
+        line = (f"{name:28s} real tokens/s {e['real_tokens_per_s']:>9,.0f}  positions/s "
+                f"{e['positions_per_s']:>9,.0f}  step_ms {e['step_ms']:>8,.1f}")
+        if "ours_over_real_tokens_per_s" in e:
+            line += (f"  ours/this: real {e['ours_over_real_tokens_per_s']:.2f}x  "
+                     f"positions {e['ours_over_positions_per_s']:.2f}x (median of rounds)")
+        lines.append(line)
+    return lines
+
+
+# --- command line -----------------------------------------------------------------------------
+
+class _NoTensorFlow(importlib.abc.MetaPathFinder):
+    """Makes `import tensorflow` fail, as on a JAX-only GPU machine."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "tensorflow":
+            raise ImportError("tensorflow is blocked (--block-tensorflow)")
 
 
 def main(argv=None) -> int:
@@ -176,16 +538,35 @@ def main(argv=None) -> int:
     p.add_argument("--predictions", type=int, default=20,
                    help="gathered MLM positions per sequence")
     p.add_argument("--dropout", type=float, default=None,
-                   help="override the size's dropout (custom default 0.1); dropout's random "
-                        "draws are a large share of a CPU step")
-    p.add_argument("--steps", type=int, default=20, help="timed steps")
+                   help="override the size's dropout (custom default 0.1)")
+    p.add_argument("--steps", type=int, default=20,
+                   help="timed steps (with --peer: per contender per round)")
+    p.add_argument("--rounds", type=int, default=5, help="with --peer: interleaved rounds")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps (tracing, XLA compile)")
     p.add_argument("--jit", choices=["auto", "on", "off"], default="auto")
+    p.add_argument("--peer-jit", choices=["auto", "on", "off"], default="auto",
+                   help="the plain Keras peer's compile(jit_compile=...): auto = Keras' default")
     p.add_argument("--precision", choices=["auto", "off", "bf16"], default="auto")
+    p.add_argument("--length-buckets", type=int, default=None,
+                   help="ours' pretrain.length_buckets (default: the config's), where the data "
+                        "path has them")
     p.add_argument("--peak-tflops", type=float, default=0.0, help="hardware peak, for MFU")
-    p.add_argument("--peer", choices=["hf"], help="also time a Hugging Face BERT of the same size")
+    p.add_argument("--peer", default="",
+                   help=f"comma-separated, any of {', '.join(PEERS)}: time them interleaved "
+                        "with ours")
+    p.add_argument("--val-loss", action="store_true",
+                   help="train on structured synthetic windows and report the validation MLM "
+                        "loss after the run's steps")
+    p.add_argument("--block-tensorflow", action="store_true",
+                   help="fail any import of tensorflow (prove a JAX run never needs it)")
     p.add_argument("--json", action="store_true", help="print one JSON object per size")
     args = p.parse_args(argv)
+    peers = [x.strip() for x in args.peer.split(",") if x.strip()]
+    unknown = sorted(set(peers) - set(PEERS))
+    if unknown:
+        p.error(f"unknown --peer {', '.join(unknown)}; choose from {', '.join(PEERS)}")
+    if args.block_tensorflow:
+        sys.meta_path.insert(0, _NoTensorFlow())
 
     if args.config_4x256:
         args.size, args.heads = "custom", 4
@@ -196,25 +577,29 @@ def main(argv=None) -> int:
     names = ["custom"] if args.size else [s.strip() for s in args.sizes.split(",") if s.strip()]
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"# {os.cpu_count()} CPUs visible, 1-min load average {load:.2f} before the run; "
-          "numbers drop when other jobs share the CPUs", file=sys.stderr)
+          "absolute numbers drop when other jobs share the CPUs, interleaved ratios much less",
+          file=sys.stderr)
     for name in names:
         spec = size_spec(name, args)
+        if peers:
+            summary = bench_peers(spec, args, peers)
+            print(json.dumps(summary) if args.json else "\n".join(_peer_lines(summary)))
+            continue
         result = bench_size(spec, args)
         if spec == {**spec, **REFERENCE}:
             result["target_tokens_per_s"] = REFERENCE_TARGET_TOKENS_PER_S
             result["meets_target"] = result["tokens_per_s"] >= REFERENCE_TARGET_TOKENS_PER_S
         print(json.dumps(result) if args.json else _line(result))
-        if args.peer == "hf":
-            peer = bench_hf(spec, args)
-            if peer:
-                print(json.dumps(peer) if args.json else _line(peer))
+    if args.block_tensorflow:
+        print(f"# tensorflow imported: {'tensorflow' in sys.modules}", file=sys.stderr)
     return 0
 
 
 def _line(r: dict) -> str:
-    keys = ("name", "backend", "policy", "jit", "dropout", "params", "step_ms", "data_ms",
-            "data_share", "tokens_per_s", "tokens_per_s_best_step",
-            "gflops_per_token", "achieved_tflops", "mfu", "warmup_s", "meets_target")
+    keys = ("name", "backend", "policy", "jit", "dropout", "length_buckets", "params", "step_ms",
+            "data_ms", "data_share", "tokens_per_s", "real_tokens_per_s", "gflops_per_token",
+            "achieved_tflops", "mfu", "warmup_s", "meets_target", "val_mlm_loss",
+            "val_unigram_baseline")
     return "  ".join(f"{k}={r[k]}" for k in keys if k in r)
 
 

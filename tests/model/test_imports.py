@@ -9,6 +9,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 # Each import of these raises inside the child, before and after keras loads: keras is free to
@@ -41,6 +43,12 @@ checkpoint_every=2)
     print("steps", result.steps, "loaded", loaded)
 """)
 
+# The GPU machine has JAX and no TensorFlow: the JAX path, dropout's random draws included, must
+# train with tensorflow unimportable (keras only probes for it, e.g. in set_random_seed).
+_JAX_CHILD = (_CHILD.replace('BANNED = {', 'BANNED = {"tensorflow", ')
+              .replace("dropout=0.0", "dropout=0.1")
+              .replace('print("steps"', 'import keras; print(keras.backend.backend(), "steps"'))
+
 
 def test_pretraining_runs_without_orchestration_or_data_prep_packages():
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TF_CPP_MIN_LOG_LEVEL": "3"}
@@ -48,3 +56,13 @@ def test_pretraining_runs_without_orchestration_or_data_prep_packages():
                           text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "steps 2 loaded []" in proc.stdout
+
+
+def test_jax_pretraining_never_imports_tensorflow():
+    pytest.importorskip("jax")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "KERAS_BACKEND": "jax",
+           "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", _JAX_CHILD], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "jax steps 2 loaded []" in proc.stdout

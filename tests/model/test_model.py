@@ -7,7 +7,12 @@ import numpy as np
 import pytest
 
 from selfsup_model.config import ModelConfig
-from selfsup_model.layers import PaddingMask, TokenAndPositionEmbedding, TransformerEncoderBlock
+from selfsup_model.layers import (
+    ByteMaskDropout,
+    PaddingMask,
+    TokenAndPositionEmbedding,
+    TransformerEncoderBlock,
+)
 from selfsup_model.model import (
     MaskedLMHead,
     PretrainExportModel,
@@ -161,3 +166,54 @@ def test_mixed_precision_backbone_still_returns_float32_logits():
     out = train({"input_ids": _ids([[7, 8, 9]]), "mask_positions": np.array([[1, 2]], np.int32)})
     assert keras.backend.standardize_dtype(out.dtype) == "float32"
     assert keras.backend.standardize_dtype(backbone.output.dtype) == "bfloat16"
+
+
+def _dropped(layer, x, training=True) -> np.ndarray:
+    return np.asarray(keras.ops.convert_to_numpy(layer(x, training=training)))
+
+
+@pytest.mark.parametrize("shape", [(64, 4, 32, 32), (97, 45, 61)])  # packed / flat draws
+def test_byte_mask_dropout_keeps_the_rate_and_the_expectation(shape):
+    layer = ByteMaskDropout(0.1, seed=3)
+    y = _dropped(layer, np.ones(shape, np.float32))
+    n = y.size
+    kept = y != 0
+    # On TensorFlow the rate is rounded to 1/256 (26/256); keras' own draws elsewhere.
+    rate = 26 / 256 if keras.backend.backend() == "tensorflow" else 0.1
+    sd = np.sqrt(rate * (1 - rate) / n)
+    assert abs(kept.mean() - (1 - rate)) < 5 * sd
+    # Kept values are scaled so that E[y] = x exactly: scale * keep probability == 1.
+    np.testing.assert_allclose(np.unique(y[kept]) * (1 - rate), 1.0, rtol=1e-6)
+    assert abs(y.mean() - 1.0) < 5 * sd / (1 - rate)
+    # Neighbours (bytes of one 32-bit draw) are independent: both dropped ~ rate^2.
+    flat = ~kept.reshape(-1)[: n - n % 2].reshape(-1, 2)
+    both = np.mean(flat[:, 0] & flat[:, 1])
+    assert abs(both - rate**2) < 5 * np.sqrt(rate**2 * (1 - rate**2) / len(flat))
+
+
+def test_byte_mask_dropout_draws_fresh_masks_and_is_off_in_inference():
+    layer = ByteMaskDropout(0.1, seed=3)
+    x = np.random.default_rng(0).normal(size=(8, 16, 32)).astype(np.float32)
+    first, second = _dropped(layer, x), _dropped(layer, x)
+    assert not np.array_equal(first != 0, second != 0)
+    np.testing.assert_array_equal(_dropped(layer, x, training=False), x)
+    np.testing.assert_array_equal(_dropped(ByteMaskDropout(0.0), x), x)
+
+
+def test_byte_mask_dropout_falls_back_where_bytes_cannot_resolve_the_rate():
+    # 0.001 * 256 rounds to 0: bytes would drop nothing, so keras' own draws take over.
+    y = _dropped(ByteMaskDropout(0.001, seed=1), np.ones((256, 1024), np.float32))
+    assert 0.0005 < (y == 0).mean() < 0.002
+
+
+def test_block_dropout_is_active_in_training_only():
+    keras.utils.set_random_seed(2)
+    block = TransformerEncoderBlock(8, 2, 16, dropout=0.3, name="b")
+    x = np.random.default_rng(1).normal(size=(2, 6, 8)).astype(np.float32)
+    mask = np.ones((2, 6), bool)
+    infer = [np.asarray(block(x, padding_mask=mask, training=False)) for _ in range(2)]
+    train = [np.asarray(block(x, padding_mask=mask, training=True)) for _ in range(2)]
+    np.testing.assert_array_equal(infer[0], infer[1])
+    assert not np.allclose(train[0], train[1])
+    assert all(isinstance(layer, keras.layers.Dropout)
+               for layer in (block.probs_dropout, block.attention_dropout, block.ff_dropout))
