@@ -59,7 +59,8 @@ def test_pretraining_runs_without_orchestration_or_data_prep_packages():
 
 
 def test_jax_pretraining_never_imports_tensorflow():
-    pytest.importorskip("jax")
+    if os.environ.get("SELFSUP_REQUIRE_JAX") != "1":  # CI installs the jax extra and sets it
+        pytest.importorskip("jax")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "KERAS_BACKEND": "jax",
            "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, "-c", _JAX_CHILD], cwd=ROOT, env=env,
