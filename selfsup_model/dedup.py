@@ -25,13 +25,12 @@ import pandas as pd
 from selfsup_model.config import DedupConfig
 from selfsup_model.errors import UserError
 from selfsup_model.graph import components, first_seen_ids
-from selfsup_model.lsh import candidate_pairs, lsh_params
+from selfsup_model.lsh import ShingleCache, candidate_pairs, lsh_params
 from selfsup_model.minhash import (
     Progress,
     fold_for_shingling,
     minhash_signatures,
-    verify_candidates,
-    verify_pairs,
+    plausible_pairs,
 )
 
 CLUSTER_COLUMNS = ("id", "cluster_id", "is_kept", "kept_id", "kind", "max_jaccard")
@@ -93,22 +92,26 @@ def find_duplicates(
     norm = [fold_for_shingling(t) for t in texts]
     text_code, distinct = pd.factorize(pd.Series(norm, dtype=object), sort=False)  # (n,), (u,)
     text_code = text_code.astype(np.int64)
+    distinct = list(distinct)  # folded already
     sig_u = minhash_signatures(
-        list(distinct),
+        distinct,
         num_perm=cfg.num_perm,
         seed=cfg.seed,
         kind=cfg.shingle,
         size=cfg.shingle_size,
         batch_size=cfg.batch_size,
         progress=progress,
+        folded=True,
     )  # (u, num_perm)
     cand = candidate_pairs(sig_u, cfg.threshold)  # (c, 2) over distinct texts
-    verified, jac, skipped = verify_candidates(
-        distinct, sig_u, cand, cfg.threshold, cfg.shingle, cfg.shingle_size
-    )
+    plausible = plausible_pairs(sig_u, cand, cfg.threshold)
+    shingles = ShingleCache(distinct, cfg.shingle, cfg.shingle_size, folded=True)
+    jac = shingles.jaccard(cand[plausible])  # each text shingled once, here and below
+    verified, jac = cand[plausible][jac >= cfg.threshold], jac[jac >= cfg.threshold]
+    skipped = int((~plausible).sum())
     cluster = first_seen_ids(components(len(distinct), verified)[text_code])  # (n,)
     rep = _representatives(cluster, np.array([len(t) for t in norm], dtype=np.int64))
-    frame = _cluster_frame(ids, cluster, rep, text_code, distinct, cfg)
+    frame = _cluster_frame(ids, cluster, rep, text_code, shingles)
     counts = {
         "documents": n,
         "distinct_texts": len(distinct),
@@ -152,8 +155,7 @@ def _cluster_frame(
     cluster: np.ndarray,
     rep: np.ndarray,
     text_code: np.ndarray,
-    distinct: pd.Index,
-    cfg: DedupConfig,
+    shingles: ShingleCache,
 ) -> pd.DataFrame:
     """The clusters table (CLUSTER_COLUMNS), input order."""
     n = len(cluster)
@@ -165,7 +167,7 @@ def _cluster_frame(
     # A near member's score is measured against its representative itself, not
     # against whichever neighbour linked it into the cluster.
     pairs = np.stack([text_code[near], text_code[rep[near]]], axis=1)
-    max_jac[near] = verify_pairs(distinct, pairs, cfg.shingle, cfg.shingle_size)
+    max_jac[near] = shingles.jaccard(pairs)
     best = np.zeros(n, dtype=np.float64)
     np.maximum.at(best, rep[~is_kept], max_jac[~is_kept])
     max_jac[is_kept] = best[is_kept]

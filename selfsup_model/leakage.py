@@ -17,13 +17,51 @@ import pandas as pd
 
 from selfsup_model.config import DedupConfig, SplitConfig
 from selfsup_model.errors import UserError
-from selfsup_model.lsh import UNIT_MISS_WEIGHT, cross_candidate_pairs
-from selfsup_model.minhash import verify_candidates
+from selfsup_model.lsh import (
+    UNIT_MISS_WEIGHT,
+    CrossLabelPlan,
+    PairJudge,
+    band_buckets,
+    lsh_params,
+)
+from selfsup_model.minhash import Progress
 
 _MAX_EXAMPLES = 10
+_PAIR_BUDGET = 1 << 20  # candidate pairs per verification pass: a (budget, 2) int64 block
 # The audit bands a seeded reordering of the signature columns, so its bands are different
 # triples of permutations: a pair unit building missed gets an independent second chance.
 AUDIT_COLUMN_SEED = 20240601
+
+
+def cross_split_leaks(
+    is_train: np.ndarray, judge: PairJudge, progress: Progress | None = None
+) -> tuple[np.ndarray, np.ndarray, dict[str, int]]:
+    """(val/test, train) pairs at exact Jaccard >= the judge's threshold among the audit's
+    LSH candidates: pairs (k, 2), jaccard (k,), and the judge's counts for this audit
+    (`PairJudge`: candidate pairs once per bucket they share, what each test ruled out).
+
+    The candidates are the train/non-train pairs of bucket-mates under the audit's
+    own banding (`AUDIT_COLUMN_SEED`), cut a budget at a time (`CrossLabelPlan`), so
+    memory stays bounded however large a bucket of templated text grows. Pairs the
+    judge already found unrelated (unit building's verdicts) are not judged again."""
+    signatures, threshold = judge.signatures, judge.threshold
+    columns = np.random.default_rng(AUDIT_COLUMN_SEED).permutation(signatures.shape[1])
+    bands_rows = lsh_params(threshold, signatures.shape[1], UNIT_MISS_WEIGHT)
+    members, bounds = band_buckets(signatures, bands_rows, columns)
+    plan = CrossLabelPlan(members, bounds, is_train.astype(np.int64))
+    found, done, before = [], 0, dict(judge.counts)
+    for pairs in plan.chunks(_PAIR_BUDGET):
+        done += len(pairs)
+        related, jac = judge.related(pairs)
+        found.append(np.c_[related, jac])
+        if progress is not None:
+            progress(done, plan.total)
+    leaks = np.concatenate(found) if found else np.empty((0, 3))
+    leaks = np.unique(leaks, axis=0)  # a related pair sharing several buckets: once
+    pairs = leaks[:, :2].astype(np.int64)
+    query = np.where(is_train[pairs[:, 0]], pairs[:, 1], pairs[:, 0])
+    counts = {k: v - before[k] for k, v in judge.counts.items() if k != "related_pairs"}
+    return np.stack([query, pairs.sum(axis=1) - query], axis=1), leaks[:, 2], counts
 
 
 def leakage_audit(
@@ -34,29 +72,25 @@ def leakage_audit(
     signatures: np.ndarray,
     cfg: SplitConfig,
     dedup_cfg: DedupConfig,
+    progress: Progress | None = None,
+    judge: PairJudge | None = None,
 ) -> dict[str, Any]:
     """Near-duplicates of train documents in val/test, and groups split across sides.
 
-    Train signatures are indexed by LSH at `relatedness_threshold`; every
-    val/test document queries it and each candidate is verified with its exact
-    Jaccard. Its bands group the signature columns differently from unit
-    building's (AUDIT_COLUMN_SEED), so a related pair that unit building's LSH
-    happened to miss is still likely to be caught: a second look, not the same
-    look twice. With audit_action 'fail' any finding raises UserError; with 'warn'
-    the audit's `message` says what was found. Groups count only with use_groups.
+    Every train/val-or-test pair of LSH bucket-mates at `relatedness_threshold`
+    is verified with its exact Jaccard (`cross_split_leaks`). Its bands group the
+    signature columns differently from unit building's (AUDIT_COLUMN_SEED), so a
+    related pair that unit building's LSH happened to miss is still likely to be
+    caught: a second look, not the same look twice. With audit_action 'fail' any
+    finding raises UserError; with 'warn' the audit's `message` says what was
+    found. Groups count only with use_groups. `judge` may be unit building's (same
+    texts, signatures and threshold), so its "unrelated" verdicts are reused.
     """
     split = np.asarray(list(splits), dtype=object)
-    train, query = np.flatnonzero(split == "train"), np.flatnonzero(split != "train")
-    columns = np.random.default_rng(AUDIT_COLUMN_SEED).permutation(signatures.shape[1])
-    regrouped = signatures[:, columns]  # (n, num_perm): same hashes, different band triples
-    cand = cross_candidate_pairs(
-        regrouped[train], regrouped[query], cfg.relatedness_threshold, miss_weight=UNIT_MISS_WEIGHT
+    judge = judge or PairJudge(
+        texts, signatures, cfg.relatedness_threshold, dedup_cfg.shingle, dedup_cfg.shingle_size
     )
-    pairs = np.stack([query[cand[:, 0]], train[cand[:, 1]]], axis=1)  # (m, 2) query, train
-    kind, size = dedup_cfg.shingle, dedup_cfg.shingle_size
-    leaks, jac, _ = verify_candidates(
-        texts, signatures, pairs, cfg.relatedness_threshold, kind, size
-    )
+    leaks, jac, counts = cross_split_leaks(split == "train", judge, progress)
     worst = np.lexsort((leaks[:, 1], leaks[:, 0], -jac))[:_MAX_EXAMPLES]
     examples = [
         {
@@ -75,7 +109,7 @@ def leakage_audit(
     ]
     audit = {
         "threshold": cfg.relatedness_threshold,
-        "candidate_pairs": len(cand),
+        **counts,
         "related_pairs": len(leaks),
         "related_examples": examples,
         "groups_checked": cfg.use_groups,

@@ -15,7 +15,9 @@ at once and reduced per document with `np.minimum.reduceat`.
 
 Which pairs to check comes from LSH over the signatures (`selfsup_model.lsh`);
 each candidate's exact shingle Jaccard is then computed here, skipping pairs
-whose signature agreement already rules the threshold out.
+whose signature agreement already rules the threshold out. Shingle sets are
+gathered into 0/1 sparse rows, so the intersection of two sets is scipy's
+compiled merge of two sorted lists (`pair_jaccard`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import numpy as np
+from scipy import sparse
 
 Progress = Callable[[int, int], None]
 
@@ -43,6 +46,10 @@ def fold_for_shingling(text: str) -> str:
     return " ".join(text.lower().split())
 
 
+def _identity(text: str) -> str:
+    return text
+
+
 def _fmix32(x: np.ndarray) -> np.ndarray:
     """murmur3's 32-bit finaliser on uint64 input (low 32 bits of the result are kept)."""
     x = (x ^ (x >> np.uint64(33))) * np.uint64(0xFF51AFD7ED558CCD)
@@ -57,6 +64,19 @@ def sorted_unique(x: np.ndarray) -> np.ndarray:
     return x[np.r_[True, x[1:] != x[:-1]]] if len(x) else x
 
 
+def sorted_member(values: np.ndarray, sorted_set: np.ndarray) -> np.ndarray:
+    """Mask (m,): which of `values` occur in the sorted array `sorted_set` (np.isin, no sort)."""
+    if not len(sorted_set):
+        return np.zeros(len(values), dtype=bool)
+    pos = np.minimum(np.searchsorted(sorted_set, values), len(sorted_set) - 1)
+    return sorted_set[pos] == values
+
+
+def merge_sorted(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Union of two sorted arrays with no value in common, sorted (no re-sort of `a`)."""
+    return np.insert(a, np.searchsorted(a, b), b)
+
+
 def ragged_arange(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """Concatenation of arange(s, s + l) for every (s, l): (sum(lengths),) int64."""
     lengths = np.asarray(lengths, dtype=np.int64)
@@ -65,7 +85,7 @@ def ragged_arange(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.arange(int(ends[-1]) if len(ends) else 0, dtype=np.int64) + shift
 
 
-def _budget_chunks(weights: np.ndarray, budget: int) -> list[tuple[int, int]]:
+def budget_chunks(weights: np.ndarray, budget: int) -> list[tuple[int, int]]:
     """[lo, hi) ranges of consecutive items whose weights sum to about `budget` (>= 1 item)."""
     cum = np.cumsum(weights)
     bounds, lo = [], 0
@@ -182,14 +202,16 @@ def minhash_signatures(
     size: int = 5,
     batch_size: int = 2048,
     progress: Progress | None = None,
+    folded: bool = False,
 ) -> np.ndarray:
-    """MinHash signatures of raw texts (folded here): (n, num_perm) uint32."""
+    """MinHash signatures of raw texts (folded here unless `folded`): (n, num_perm) uint32."""
     a, b = permutations(num_perm, seed)
     sig = np.empty((len(texts), num_perm), dtype=np.uint32)
+    fold = _identity if folded else fold_for_shingling
     for lo in range(0, len(texts), batch_size):
-        batch = [fold_for_shingling(t) for t in texts[lo : lo + batch_size]]
+        batch = [fold(t) for t in texts[lo : lo + batch_size]]
         # A batch of long documents is cut further so shingling transients stay bounded.
-        for start, stop in _budget_chunks(np.array([len(t) for t in batch]), _CHAR_BUDGET):
+        for start, stop in budget_chunks(np.array([len(t) for t in batch]), _CHAR_BUDGET):
             ids, offsets = shingle_ids(batch[start:stop], kind, size)
             sig[lo + start : lo + stop] = _signatures_of_ids(ids, offsets, a, b).T
         if progress is not None:
@@ -197,47 +219,77 @@ def minhash_signatures(
     return sig
 
 
+def _rows_matrix(values: np.ndarray, offsets: np.ndarray, rows: np.ndarray) -> sparse.csr_matrix:
+    """Sets `rows` of back-to-back sorted uint32 sets as a 0/1 CSR matrix (k, 2^32).
+
+    Sets are stored as uint32 (4 bytes a shingle); only a gathered chunk is widened
+    to the int64 column indices scipy needs for 2^32 columns."""
+    sizes = np.diff(offsets)[rows]
+    cols = values[ragged_arange(offsets[rows], sizes)].astype(np.int64)
+    indptr = np.r_[0, np.cumsum(sizes)].astype(np.int64)
+    data = np.ones(len(cols), dtype=np.int8)
+    return sparse.csr_matrix((data, cols, indptr), shape=(len(rows), 1 << 32), copy=False)
+
+
 def pair_jaccard(
     values: np.ndarray, offsets: np.ndarray, left: np.ndarray, right: np.ndarray
 ) -> np.ndarray:
-    """Exact Jaccard of shingle sets (from `shingle_sets`) for each (left, right): (m,) float64."""
+    """Exact Jaccard of shingle sets (from `shingle_sets`) for each (left, right): (m,) float64.
+
+    Rows become sparse 0/1 rows a chunk at a time, so each intersection is scipy's
+    compiled merge of two sorted lists (the row-wise product), with no sort here."""
+    left, right = np.asarray(left, dtype=np.int64), np.asarray(right, dtype=np.int64)
     sizes = np.diff(offsets)
     out = np.empty(len(left), dtype=np.float64)
-    for lo, hi in _budget_chunks(sizes[left] + sizes[right], _GATHER_BUDGET):
+    for lo, hi in budget_chunks(sizes[left] + sizes[right], _GATHER_BUDGET):
         lft, rgt = left[lo:hi], right[lo:hi]
-        both = np.r_[lft, rgt]
-        pair = np.r_[np.arange(len(lft)), np.arange(len(rgt))].astype(np.uint64)
-        vals = values[ragged_arange(offsets[both], sizes[both])]
-        key = np.sort((np.repeat(pair, sizes[both]) << np.uint64(32)) | vals)  # (pair, id)
-        # Each set is unique, so an equal neighbour is one shingle shared by the pair.
-        shared = key[1:][key[1:] == key[:-1]] >> np.uint64(32)
-        inter = np.bincount(shared.astype(np.int64), minlength=len(lft))
+        both = _rows_matrix(values, offsets, lft).multiply(_rows_matrix(values, offsets, rgt))
+        inter = both.getnnz(axis=1)  # (chunk,) shared shingles
         out[lo:hi] = inter / (sizes[lft] + sizes[rgt] - inter)
     return out
 
 
+def shingle_rows(
+    texts: Sequence[str],
+    docs: np.ndarray,
+    kind: str = "char",
+    size: int = 5,
+    folded: bool = False,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted unique shingle ids of texts[docs] (folded here unless `folded`), back to back:
+    values (U,) uint32 and per-document counts (k,) int64.
+
+    Shingled a budget of characters at a time; only the compact sets are kept,
+    so memory follows the documents asked for, not the corpus."""
+    raw_lengths = np.array([len(texts[i]) for i in docs], dtype=np.int64)  # bound the folded
+    fold = _identity if folded else fold_for_shingling
+    parts, sizes = [], []
+    for lo, hi in budget_chunks(raw_lengths, _CHAR_BUDGET):
+        chunk = [fold(texts[i]) for i in docs[lo:hi]]
+        values, offsets = shingle_sets(chunk, kind, size)
+        parts.append(values)
+        sizes.append(np.diff(offsets))
+    values = np.concatenate(parts) if parts else np.empty(0, dtype=np.uint32)
+    return values, (np.concatenate(sizes) if sizes else np.empty(0, dtype=np.int64))
+
+
 def verify_pairs(
-    texts: Sequence[str], pairs: np.ndarray, kind: str = "char", size: int = 5
+    texts: Sequence[str],
+    pairs: np.ndarray,
+    kind: str = "char",
+    size: int = 5,
+    folded: bool = False,
 ) -> np.ndarray:
     """Exact Jaccard of each (i, j) row of `pairs` over raw `texts`: (m,) float64.
 
-    Only the documents named by a pair are shingled, a budget of characters at
-    a time, and only their compact uint32 sets are kept: memory follows the
-    candidates, not the corpus.
+    Only the documents named by a pair are shingled (`shingle_rows`): memory
+    follows the candidates, not the corpus.
     """
     if not len(pairs):
         return np.empty(0, dtype=np.float64)
     involved = sorted_unique(pairs.ravel())  # (k,) sorted document indices
-    raw_lengths = np.array([len(texts[i]) for i in involved])  # bound the folded ones
-    parts, sizes = [], []
-    for lo, hi in _budget_chunks(raw_lengths, _CHAR_BUDGET):
-        chunk = [fold_for_shingling(texts[i]) for i in involved[lo:hi]]
-        values, offsets = shingle_sets(chunk, kind, size)
-        parts.append(values)
-        sizes.append(np.diff(offsets))
-    values = np.concatenate(parts)  # (U,) every involved document's set, back to back
-    del parts
-    offsets = np.r_[0, np.cumsum(np.concatenate(sizes))].astype(np.int64)
+    values, counts = shingle_rows(texts, involved, kind, size, folded)
+    offsets = np.r_[0, np.cumsum(counts)].astype(np.int64)
     local = np.searchsorted(involved, pairs)  # (m, 2) rows into the shingled subset
     return pair_jaccard(values, offsets, local[:, 0], local[:, 1])
 
@@ -254,13 +306,50 @@ def plausible_pairs(signatures: np.ndarray, pairs: np.ndarray, threshold: float)
     errors below it with probability < 1e-8, so skipping those pairs only skips
     exact checks that would fail - at a 0.5 threshold most LSH candidates are such.
     """
-    num_perm = signatures.shape[1]
-    floor = threshold - _SAFETY_SIGMAS * np.sqrt(threshold * (1.0 - threshold) / num_perm)
+    return agreement_at_least(signatures, pairs, agreement_floor(threshold, signatures.shape[1]))
+
+
+def agreement_floor(threshold: float, num_perm: int) -> float:
+    """Fewest agreeing signature columns a pair at Jaccard >= threshold plausibly shows."""
+    sigma = np.sqrt(threshold * (1.0 - threshold) / num_perm)
+    return (threshold - _SAFETY_SIGMAS * sigma) * num_perm
+
+
+def agreement_at_least(signatures: np.ndarray, pairs: np.ndarray, floor: float) -> np.ndarray:
+    """Mask (m,): pairs whose signatures agree in >= floor columns (any integer dtype)."""
     out = np.empty(len(pairs), dtype=bool)
     for lo in range(0, len(pairs), _AGREEMENT_CHUNK):
         part = pairs[lo : lo + _AGREEMENT_CHUNK]
         same = (signatures[part[:, 0]] == signatures[part[:, 1]]).sum(axis=1)  # (chunk,)
-        out[lo : lo + len(part)] = same >= floor * num_perm
+        out[lo : lo + len(part)] = same >= floor
+    return out
+
+
+_LOW7 = np.uint64(0x7F7F_7F7F_7F7F_7F7F)
+
+
+def byte_agreement_at_least(packed: np.ndarray, pairs: np.ndarray, floor: float) -> np.ndarray:
+    """`agreement_at_least` over uint8 signatures viewed as (n, num_perm / 8) uint64 words.
+
+    Equal bytes are counted eight at a time: a byte x of a ^ b is zero exactly when
+    ((x & 0x7F) + 0x7F) | x has its high bit clear (no carry crosses bytes), so one
+    popcount per word counts the unequal ones. Buffers are reused across passes."""
+    out = np.empty(len(pairs), dtype=bool)
+    words = packed.shape[1]
+    x = np.empty((min(_AGREEMENT_CHUNK, len(pairs)), words), dtype=np.uint64)
+    y = np.empty_like(x)
+    for lo in range(0, len(pairs), _AGREEMENT_CHUNK):
+        part = pairs[lo : lo + _AGREEMENT_CHUNK]
+        xv, yv = x[: len(part)], y[: len(part)]
+        np.take(packed, part[:, 0], axis=0, out=xv)
+        np.take(packed, part[:, 1], axis=0, out=yv)
+        np.bitwise_xor(xv, yv, out=xv)
+        np.bitwise_and(xv, _LOW7, out=yv)
+        yv += _LOW7
+        yv |= xv
+        yv &= ~_LOW7  # the high bit of every nonzero byte
+        unequal = np.bitwise_count(yv).sum(axis=1, dtype=np.int64)
+        out[lo : lo + len(part)] = words * 8 - unequal >= floor
     return out
 
 

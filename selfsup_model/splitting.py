@@ -2,8 +2,11 @@
 
 A split unit is a connected component of: documents sharing a dedup cluster,
 documents whose exact shingle Jaccard is >= `relatedness_threshold` (LSH
-candidates on the dedup signatures, each verified), and - when `use_groups` -
-documents sharing a non-null group. Whole units go to one split.
+candidates on the dedup signatures, two bandings, each verified), and - when
+`use_groups` - documents sharing a non-null group. Whole units go to one split.
+`build_units` finds those components without verifying every candidate pair:
+a pair already inside one unit cannot change them, so its work follows the
+pairs across units, not the square of a bucket of templated near-copies.
 
 Allocation, stratified by label: each split's target is its fraction of every
 label's doc count (unlabelled docs count as one more label). Units are
@@ -28,8 +31,14 @@ from selfsup_model.config import SPLITS, DedupConfig, SplitConfig
 from selfsup_model.errors import ArtifactError, UserError
 from selfsup_model.graph import components, first_seen_ids, same_code_pairs, value_codes
 from selfsup_model.leakage import leakage_audit
-from selfsup_model.lsh import UNIT_MISS_WEIGHT, candidate_pairs, lsh_params
-from selfsup_model.minhash import Progress, verify_candidates
+from selfsup_model.lsh import (
+    UNIT_MISS_WEIGHT,
+    CrossLabelPlan,
+    PairJudge,
+    band_buckets,
+    lsh_params,
+)
+from selfsup_model.minhash import Progress
 
 ASSIGNMENT_COLUMNS = ("id", "split", "cluster_id", "unit_id", "group")
 
@@ -44,6 +53,36 @@ class SplitResult:
     audit: dict[str, Any] = field(default_factory=dict)
 
 
+# Planned pairs per verification pass: a (budget, 2) int64 block of ~16 MiB.
+_PAIR_BUDGET = 1 << 20
+# Unit building bands the signature columns twice: in their own order and in this seeded
+# order (the audit uses a third). A pair at exactly J = 0.5 escapes one banding of 39 x 3
+# rows with probability 0.0055, both with ~3e-5: a miss is what leaks across splits.
+UNIT_COLUMN_SEED = 20240602
+# Chain passes through the buckets before the exhaustive one: each joins most of what
+# is left of a bucket of near-copies, so a few leave only genuinely mixed buckets.
+_CHAIN_ROUNDS = 3
+
+
+def _link(judge: PairJudge, pairs: np.ndarray, unit: np.ndarray) -> np.ndarray:
+    """The units after joining every related pair among `pairs`: (n,) int64 labels.
+
+    Pairs already in one unit are dropped before any work."""
+    related, _ = judge.related(pairs[unit[pairs[:, 0]] != unit[pairs[:, 1]]])
+    joined = components(int(unit.max()) + 1, unit[related])
+    return joined[unit]
+
+
+def _unit_buckets(signatures: np.ndarray, threshold: float) -> tuple[np.ndarray, np.ndarray]:
+    """Buckets of both of unit building's bandings: members (e,) and bounds (b + 1,)."""
+    bands_rows = lsh_params(threshold, signatures.shape[1], UNIT_MISS_WEIGHT)
+    columns = np.random.default_rng(UNIT_COLUMN_SEED).permutation(signatures.shape[1])
+    first, first_bounds = band_buckets(signatures, bands_rows)
+    second, second_bounds = band_buckets(signatures, bands_rows, columns)
+    bounds = np.r_[first_bounds, first_bounds[-1] + second_bounds[1:]]
+    return np.r_[first, second], bounds
+
+
 def build_units(
     texts: Sequence[str],
     groups: Sequence[str | None],
@@ -51,23 +90,50 @@ def build_units(
     cluster_ids: Sequence[int],
     cfg: SplitConfig,
     dedup_cfg: DedupConfig,
+    progress: Progress | None = None,
+    judge: PairJudge | None = None,
 ) -> tuple[np.ndarray, dict[str, int]]:
-    """Split unit per document, numbered in first-seen order (n,) int64, and link counts."""
+    """Split unit per document, numbered in first-seen order (n,) int64, and link counts.
+
+    Units start as dedup clusters (joined by shared groups with `use_groups`);
+    bucket-mates of unit building's LSH whose exact Jaccard is >= the threshold
+    are then joined. Only connectivity matters, so no pair inside one unit is
+    ever verified: each bucket is first chained (`CrossLabelPlan.adjacent`), a few
+    rounds, which joins a bucket of templated near-copies with about one check
+    per member; then every pair of bucket-mates still in different units is
+    judged, a budget at a time, re-reading the units between passes. The result
+    is the partition that verifying every candidate pair would give, at a cost
+    that follows the pairs across units, not the square of the bucket sizes.
+    Link counts are the judge's (`PairJudge`): related_pairs counts the links
+    found on the way (a spanning set), not every related pair.
+    `progress(done, total)` counts the planned pairs of that last pass; `judge` (over
+    these texts, at `relatedness_threshold`) keeps its verdicts and shingles for the audit.
+    """
     threshold = cfg.relatedness_threshold
-    bands_rows = lsh_params(threshold, signatures.shape[1], UNIT_MISS_WEIGHT)
-    cand = candidate_pairs(signatures, threshold, bands_rows)
-    kind, size = dedup_cfg.shingle, dedup_cfg.shingle_size
-    related, _, skipped = verify_candidates(texts, signatures, cand, threshold, kind, size)
-    edges = [related, same_code_pairs(np.asarray(cluster_ids, dtype=np.int64))]
+    edges = [same_code_pairs(np.asarray(cluster_ids, dtype=np.int64))]
     if cfg.use_groups:
         edges.append(same_code_pairs(value_codes(groups)))
-    unit = first_seen_ids(components(len(texts), np.concatenate(edges)))
-    links = {
-        "candidate_pairs": len(cand),
-        "skipped_by_signature": skipped,
-        "related_pairs": len(related),
-    }
-    return unit, links
+    unit = components(len(texts), np.concatenate(edges))
+    members, bounds = _unit_buckets(signatures, threshold)
+    judge = judge or PairJudge(
+        texts, signatures, threshold, dedup_cfg.shingle, dedup_cfg.shingle_size
+    )
+    for _ in range(_CHAIN_ROUNDS):
+        chain = CrossLabelPlan(members, bounds, unit).adjacent()
+        if not len(chain):
+            break
+        unit = _link(judge, chain, unit)
+    plan = CrossLabelPlan(members, bounds, unit)
+    done = 0
+    for pairs in plan.chunks(_PAIR_BUDGET):
+        unit = _link(judge, pairs, unit)
+        done += len(pairs)
+        if progress is not None:
+            progress(done, plan.total)
+    if progress is not None and not plan.total:
+        progress(0, 0)
+    # A fresh judge, or one that has judged nothing else yet: its counts are ours.
+    return first_seen_ids(unit), {"lsh_buckets": len(bounds) - 1, **judge.counts}
 
 
 def _label_counts(
@@ -176,10 +242,18 @@ def assign_splits(
     cfg: SplitConfig,
     dedup_cfg: DedupConfig,
     progress: Progress | None = None,
+    audit_progress: Progress | None = None,
 ) -> SplitResult:
-    """Assign every (kept) document to train/val/test by whole units; audit the result."""
+    """Assign every (kept) document to train/val/test by whole units; audit the result.
+
+    `progress(done, total)` follows unit building's pairs, `audit_progress` the audit's."""
     n = _check_inputs(ids, texts, labels, groups, signatures, cluster_ids, dedup_cfg)
-    unit, links = build_units(texts, groups, signatures, cluster_ids, cfg, dedup_cfg)
+    judge = PairJudge(  # shared: the audit skips pairs unit building found unrelated
+        texts, signatures, cfg.relatedness_threshold, dedup_cfg.shingle, dedup_cfg.shingle_size
+    )
+    unit, links = build_units(
+        texts, groups, signatures, cluster_ids, cfg, dedup_cfg, progress, judge
+    )
     unit_sizes = np.bincount(unit)  # (units,)
     if len(unit_sizes) < len(SPLITS):
         raise UserError(
@@ -187,8 +261,6 @@ def assign_splits(
             "documents and shared groups stay together), but train/val/test needs at least 3; "
             "add documents, set split.use_groups=false or raise split.relatedness_threshold"
         )
-    if progress is not None:
-        progress(1, 3)
     counts, names = _label_counts(unit, labels, cfg.stratify)
     split_of_unit = _allocate(counts, cfg)
     warnings = _missing_label_warnings(counts, names, split_of_unit)
@@ -199,13 +271,11 @@ def assign_splits(
                 f"split {name!r} ended up empty ({len(unit_sizes)} units for fractions "
                 f"{cfg.train:g}/{cfg.val:g}/{cfg.test:g}); add documents or change the fractions"
             )
-    if progress is not None:
-        progress(2, 3)
-    audit = leakage_audit(ids, texts, split, groups, signatures, cfg, dedup_cfg)
+    audit = leakage_audit(
+        ids, texts, split, groups, signatures, cfg, dedup_cfg, audit_progress, judge
+    )
     if audit["message"]:
         warnings.append(audit["message"])
-    if progress is not None:
-        progress(3, 3)
     frame = pd.DataFrame(
         {
             "id": pd.array(list(ids), dtype="str"),

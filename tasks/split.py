@@ -32,7 +32,8 @@ def compute(ctx: RunContext, out: Path, inputs: dict[str, Path]) -> StageOutput:
         docs["id"].tolist(), docs["text"].tolist(), optional_strings(docs["label"]),
         optional_strings(docs["group"]),
         signatures, clusters["cluster_id"].to_numpy()[kept], ctx.config.split, ctx.config.dedup,
-        progress=progress_logger(log, "split relatedness"),
+        progress=progress_logger(log, "split units: candidate pairs"),
+        audit_progress=progress_logger(log, "split leakage audit: candidate pairs"),
     )
     for warning in result.warnings:
         log.warning("split: %s", warning)

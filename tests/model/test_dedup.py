@@ -119,6 +119,50 @@ def test_signature_prefilter_only_drops_hopeless_pairs():
     assert kept.tolist() == [[0, 1]] and jac.tolist() == [95 / 105] and skipped == 2
 
 
+word_sets = st.lists(st.lists(st.integers(0, 60), min_size=1, max_size=40), min_size=2, max_size=12)
+
+
+@settings(max_examples=40, deadline=None)
+@given(sets=word_sets, threshold=st.sampled_from([0.3, 0.5, 0.8]))
+def test_cheap_pair_tests_never_drop_a_related_pair(sets, threshold):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(lsh, "_SKETCH_BITS", 64)  # a tiny sketch: buckets collide, the bound holds
+        check_cheap_pair_tests(sets, threshold)
+
+
+def check_cheap_pair_tests(sets, threshold):
+    texts = [" ".join(f"w{i}" for i in s) for s in sets]
+    sig = minhash.minhash_signatures(texts, num_perm=32, kind="word", size=1)
+    i, j = np.triu_indices(len(texts), k=1)
+    pairs = np.stack([i, j], axis=1)
+    exact = np.array(
+        [len(set(sets[a]) & set(sets[b])) / len(set(sets[a]) | set(sets[b])) for a, b in pairs]
+    )
+    cache = lsh.ShingleCache(texts, "word", 1)
+    assert np.array_equal(cache.jaccard(pairs), exact)
+    assert cache.may_reach(pairs, threshold)[exact >= threshold].all()  # an upper bound
+    low = np.ascontiguousarray(sig.astype(np.uint8)).view(np.uint64)
+    for floor in (4.0, 9.5, 16.0):
+        full = minhash.agreement_at_least(sig, pairs, floor)
+        assert np.array_equal(
+            minhash.byte_agreement_at_least(low, pairs, floor),
+            minhash.agreement_at_least(sig.astype(np.uint8), pairs, floor),
+        )
+        assert minhash.byte_agreement_at_least(low, pairs, floor)[full].all()  # never stricter
+    judge = lsh.PairJudge(texts, sig, threshold, "word", 1)
+    related, jac = judge.related(np.r_[pairs, pairs[::-1]])  # repeats are judged once
+    plausible = minhash.plausible_pairs(sig, pairs, threshold)
+    want = pairs[plausible & (exact >= threshold)]
+    assert related.tolist() == want.tolist()
+    assert jac.tolist() == exact[plausible & (exact >= threshold)].tolist()
+
+
+def test_occupancy_bound_rules_out_unrelated_pairs():
+    a, b, c = words(0, 300), words(150, 450), words(0, 270) + " " + words(1000, 1030)
+    cache = lsh.ShingleCache([a, b, c], "word", 1)  # J(a, b) = 1/3, J(a, c) = 0.9
+    assert cache.may_reach(np.array([[0, 1], [0, 2]]), 0.5).tolist() == [False, True]
+
+
 # --- find_duplicates ------------------------------------------------------------------------
 
 

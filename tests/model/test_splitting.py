@@ -3,12 +3,20 @@
 import numpy as np
 import pandas as pd
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from selfsup_model import minhash
+from selfsup_model import lsh, minhash
 from selfsup_model.config import DedupConfig, SplitConfig
 from selfsup_model.errors import ArtifactError, UserError
+from selfsup_model.graph import components, first_seen_ids
 from selfsup_model.leakage import leakage_audit
-from selfsup_model.splitting import assign_splits, documents_in_split
+from selfsup_model.splitting import (
+    UNIT_COLUMN_SEED,
+    assign_splits,
+    build_units,
+    documents_in_split,
+)
 
 WORDS = DedupConfig(shingle="word", shingle_size=1, num_perm=128)
 SPLIT = SplitConfig()
@@ -170,3 +178,106 @@ def test_documents_in_split_follow_assignment_order():
     assert unknown.empty and list(unknown.columns) == ["text", "id"]
     with pytest.raises(ArtifactError, match="'d9'"):
         documents_in_split(docs.iloc[:3], assign.assign(id=["d9", "d1", "d0", "d2"]), "val")
+
+
+# --- templated text: big buckets, bounded work, no leaks ----------------------------------
+
+CHARS = DedupConfig()  # the pipeline's default: character 5-grams
+
+
+def templated(n: int, seed: int) -> list[str]:
+    """Package-description boilerplate with slot fillers: large LSH buckets at J ~ 0.3-0.9."""
+    rng = np.random.default_rng(seed)
+    stems = [
+        "{n} is a Python library to {v} {d}. Install it with pip install {n}.",
+        "A Python wrapper for the {s} API. It lets you {v} {d} in a few lines of code.",
+        "{n}: {v} {d} with type hints and zero dependencies. Released under the MIT license.",
+    ]
+    slot = {
+        "n": [f"pkg{k}" for k in range(40)],
+        "v": ["parse", "render", "index", "stream", "sync", "export"],
+        "d": ["time series", "PDF files", "web pages", "audio", "spreadsheets"],
+        "s": ["Slack", "GitHub", "Stripe", "Notion"],
+    }
+    texts = []
+    for _ in range(n):
+        fill = {k: str(rng.choice(v)) for k, v in slot.items()}
+        tail = " ".join(f"x{int(w)}" for w in rng.integers(0, 300, int(rng.integers(0, 12))))
+        texts.append(f"{stems[int(rng.integers(0, 3))].format(**fill)} {tail}".strip())
+    return texts
+
+
+def test_big_bucket_of_templated_near_copies_is_one_unit_at_linear_cost():
+    # 300 near-copies (J ~ 0.9 pairwise, each its own dedup cluster) share every LSH bucket:
+    # 44,850 candidate pairs, of which a chain of ~300 checks joins them all.
+    stem = "this package provides a simple api for parsing configuration files quickly"
+    copies = [f"{stem} variant number {i}" for i in range(300)]
+    res = split_corpus(copies + [lone(i) for i in range(30)], dedup_cfg=CHARS)
+    units = res.assignments["unit_id"].to_numpy()
+    assert len(set(units[:300])) == 1 and len(set(units[300:])) == 30
+    assert res.counts["largest_unit"] == 300 and res.counts["units"] == 31
+    assert res.counts["verified_pairs"] < 3 * 300  # not 44,850
+    assert res.audit["passed"]
+
+
+def cross_split_jaccards(texts, splits, size=5):
+    """Exact char-shingle Jaccard of every (train, val/test) pair, by Python sets."""
+    sets = []
+    for t in texts:
+        s = " ".join(t.lower().split())
+        sets.append({s[k : k + size] for k in range(max(len(s) - size + 1, 1))})
+    train = [i for i, s in enumerate(splits) if s == "train"]
+    other = [i for i, s in enumerate(splits) if s != "train"]
+    return [len(sets[a] & sets[b]) / len(sets[a] | sets[b]) for a in other for b in train]
+
+
+@settings(max_examples=4, deadline=None)
+@given(seed=st.integers(0, 2**16))
+def test_no_cross_split_pair_reaches_the_threshold_on_templated_text(seed):
+    texts = templated(300, seed)
+    res = split_corpus(texts, dedup_cfg=CHARS, cfg=SplitConfig(audit_action="warn"))
+    splits = res.assignments["split"].tolist()
+    assert max(cross_split_jaccards(texts, splits)) < SPLIT.relatedness_threshold
+    assert res.audit["passed"] and res.counts["related_pairs"] > 0
+
+
+@settings(max_examples=4, deadline=None)
+@given(seed=st.integers(0, 2**16))
+def test_units_equal_verifying_every_candidate_pair(seed):
+    # Skipping pairs already in one unit changes the work, never the partition.
+    texts = templated(200, seed)
+    n = len(texts)
+    sig = minhash.minhash_signatures(texts, num_perm=CHARS.num_perm, seed=CHARS.seed)
+    unit, _ = build_units(texts, [None] * n, sig, np.arange(n), SPLIT, CHARS)
+    bands_rows = lsh.lsh_params(0.5, CHARS.num_perm, lsh.UNIT_MISS_WEIGHT)
+    columns = np.random.default_rng(UNIT_COLUMN_SEED).permutation(CHARS.num_perm)
+    cand = np.unique(
+        np.r_[
+            lsh.candidate_pairs(sig, 0.5, bands_rows),
+            lsh.candidate_pairs(sig[:, columns], 0.5, bands_rows),
+        ],
+        axis=0,
+    )
+    related, _, _ = minhash.verify_candidates(texts, sig, cand, 0.5)
+    assert np.array_equal(unit, first_seen_ids(components(n, related)))
+
+
+def test_progress_reports_unit_building_and_audit_to_the_end():
+    texts = templated(120, 1)
+    sig = minhash.minhash_signatures(texts)
+    seen = {"units": [], "audit": []}
+    assign_splits(
+        [f"d{i}" for i in range(120)],
+        texts,
+        [None] * 120,
+        [None] * 120,
+        sig,
+        np.arange(120),
+        SplitConfig(audit_action="warn"),
+        CHARS,
+        progress=lambda d, t: seen["units"].append((d, t)),
+        audit_progress=lambda d, t: seen["audit"].append((d, t)),
+    )
+    for calls in seen.values():
+        assert calls and calls[-1][0] == calls[-1][1]
+        assert [d for d, _ in calls] == sorted(d for d, _ in calls)
