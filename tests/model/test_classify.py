@@ -178,3 +178,31 @@ def test_predict_in_batches_pads_short_batches_to_a_power_of_two(n, expected_cal
     out = predict_in_batches(model, ids, batch_size=8)
     np.testing.assert_array_equal(out, ids.sum(axis=1, keepdims=True))  # filler rows dropped
     assert model.calls == expected_calls
+
+
+@pytest.mark.parametrize("pooling, causal", [("mean", False), ("cls", False), ("last", True),
+                                             ("mean", True)])
+def test_batches_cut_after_the_longest_real_row_give_the_full_window_outputs(pooling, causal):
+    keras.utils.set_random_seed(1)
+    length = 40
+    encoder = build_backbone(VOCAB, length, ModelConfig(hidden=HIDDEN, layers=2, heads=2, ff=16,
+                                                        dropout=0.0, norm="pre"), causal=causal)
+    model = build_classifier(encoder, 3, pooling)
+    rng = np.random.default_rng(0)
+    real = rng.choice([1, 3, 9, 16, 17, 30, 40], size=37)  # unsorted, some full, one per batch
+    ids = np.zeros((37, length), np.int32)
+    for row, n in enumerate(real):
+        ids[row, :n] = rng.integers(7, VOCAB, n)
+    ids = encoder_inputs(encoder, ids)
+    widths = []
+    original = model.predict_on_batch
+
+    def spy(batch):
+        widths.append(batch.shape[1])
+        return original(batch)
+
+    model.predict_on_batch = spy
+    got = predict_in_batches(model, ids, batch_size=8)
+    full = np.asarray(original(ids))  # every row at its full 40 positions, in the caller's order
+    np.testing.assert_allclose(got, full, rtol=0, atol=1e-5)
+    assert min(widths) == 16 and max(widths) == length and sorted(widths) == widths
