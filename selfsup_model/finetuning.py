@@ -147,7 +147,7 @@ class StageTrainers:
 
     def __init__(self) -> None:
         self._models: dict[str, keras.Model] = {}
-        self._features: dict[tuple[str, bytes], np.ndarray] = {}
+        self._features: dict[tuple[str, tuple[int, ...]], np.ndarray] = {}
 
     def trainer(self, kind: str, model: keras.Model, cfg: FinetuneConfig) -> keras.Model:
         """The compiled model for `kind` (built like `model` on first use)."""
@@ -162,20 +162,15 @@ class StageTrainers:
             self._models[kind] = trainer
         return self._models[kind]
 
-    def features(self, model: keras.Model, ids: np.ndarray, batch_size: int) -> np.ndarray:
+    def features(self, model: keras.Model, ids: np.ndarray, cfg: FinetuneConfig) -> np.ndarray:
         """Pooled features of the frozen encoder of `model` for `ids`, cached by content: the
         head stage always starts from the same encoder weights."""
         key = (hashlib.blake2b(np.ascontiguousarray(ids).tobytes(), digest_size=16).hexdigest(),
                ids.shape)
         if key not in self._features:
-            extractor = feature_extractor(_backbone_of(model), self._pooling(model))
-            self._features[key] = predict_in_batches(extractor, ids, batch_size)
+            extractor = feature_extractor(_backbone_of(model), cfg.pooling)
+            self._features[key] = predict_in_batches(extractor, ids, cfg.eval_batch_size)
         return self._features[key]
-
-    @staticmethod
-    def _pooling(model: keras.Model) -> str:
-        return {"MaskedMeanPooling": "mean", "ClsPooling": "cls",
-                "LastTokenPooling": "last"}[type(model.get_layer("pool")).__name__]
 
 
 def copy_state(source: keras.Model, target: keras.Model) -> None:
@@ -223,9 +218,8 @@ class ClassifierRun:
         before = self.best_f1
         trainer = self.trainers.trainer(stage.name, self.model, self.cfg)
         if stage.name == "head":
-            batch = self.cfg.eval_batch_size
-            x_train = self.trainers.features(self.model, self.train_ids, batch)
-            x_val = self.trainers.features(self.model, self.val_ids, batch)
+            x_train = self.trainers.features(self.model, self.train_ids, self.cfg)
+            x_val = self.trainers.features(self.model, self.val_ids, self.cfg)
             _copy_head(self.model, trainer)
         else:
             x_train, x_val = self.train_ids, self.val_ids
