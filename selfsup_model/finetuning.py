@@ -85,6 +85,9 @@ class ClassifierResult:
     stages: list[dict]  # per stage: name, updates, learning_rate, best val macro-F1, kept
     val_predictions: np.ndarray  # (n_val,) class ids
     predictions: dict[str, np.ndarray]  # eval-set name -> (n,) class ids
+    # framed windows (n, L) -> (n,) class ids from the kept weights, through the method's
+    # compiled trainer: for sets only the selected runs need (the caller's test set).
+    predict: Callable[[np.ndarray], np.ndarray]
 
 
 def train_classifier(backbone_factory: Callable[[], keras.Model],
@@ -123,13 +126,19 @@ def train_classifier(backbone_factory: Callable[[], keras.Model],
     for stage in plan_stages(mode, budget, learning_rate, cfg):
         run.train_stage(stage)
     run.restore_best()
+
+    def predict(ids: np.ndarray) -> np.ndarray:
+        check_encoder_length("eval", ids, backbone)
+        return run.predict(encoder_inputs(backbone, ids))
+
     return ClassifierResult(
         model=model, mode=mode, learning_rate=learning_rate,
         val_macro_f1=macro_f1(val_y, run.best_val_pred), updates_run=run.updates,
         best_update=run.best_update, train_time_s=time.perf_counter() - start,
         history=run.history, stages=run.stages, val_predictions=run.best_val_pred,
         predictions={name: run.predict(encoder_inputs(backbone, ids))
-                     for name, ids in (eval_sets or {}).items()})
+                     for name, ids in (eval_sets or {}).items()},
+        predict=predict)
 
 
 class StageTrainers:

@@ -170,7 +170,7 @@ def train_neural_methods(data: LabelledData, methods: Sequence[NeuralMethod], cf
     train, y_train, y_val = data.splits["train"], data.y("train"), data.y("val")
     val_known = y_val >= 0  # selection can only score labels the model can predict
     val = (data.splits["val"].windows[val_known], y_val[val_known])
-    test = {"test": data.splits["test"].windows}
+    test = data.splits["test"].windows
     out, kept = MethodResults(), {}
     largest = max(cfg.fractions)
     trainers = {method.name: StageTrainers() for method in methods}  # compiled once per method
@@ -183,16 +183,19 @@ def train_neural_methods(data: LabelledData, methods: Sequence[NeuralMethod], cf
                 best = None
                 for lr in cfg.learning_rates:
                     res = train_classifier(method.factory, (train.windows[subset], y_train[subset]),
-                                           val, len(data.classes), method.mode, cfg, seed, lr, test,
+                                           val, len(data.classes), method.mode, cfg, seed, lr,
                                            trainers=trainers[method.name])
                     grid.append({"seed": seed, "learning_rate": lr,
                                  "val_macro_f1": res.val_macro_f1, "updates_run": res.updates_run})
                     if best is None or res.val_macro_f1 > best.val_macro_f1:
                         best = res
-                per_seed.append((seed, best))
-                out.add_seed(method.name, fraction, seed, data, best.predictions["test"])
-            seed, chosen = max(per_seed, key=lambda pair: pair[1].val_macro_f1)  # first on ties
-            out.add(method.name, fraction, data, chosen.predictions["test"], {
+                # Test predictions only for the rate validation chose: the others are never read.
+                predicted = best.predict(test)
+                per_seed.append((seed, best, predicted))
+                out.add_seed(method.name, fraction, seed, data, predicted)
+            # the seed best on validation; the first on ties
+            seed, chosen, predicted = max(per_seed, key=lambda run: run[1].val_macro_f1)
+            out.add(method.name, fraction, data, predicted, {
                 "n_train": len(subset), "val_macro_f1": chosen.val_macro_f1,
                 "selected": {"learning_rate": chosen.learning_rate, "seed": seed},
                 "budget_updates": update_budget(len(subset), cfg),

@@ -130,19 +130,21 @@ def test_errors_are_clear(pretrained):
 
 
 def test_every_neural_method_gets_the_same_grid_budget_and_subsets(monkeypatch):
-    calls = []
+    calls, predicted = [], []
 
     class Fake:
-        def __init__(self, n_test, lr):
+        def __init__(self, lr):
             self.val_macro_f1, self.learning_rate = lr, lr  # the larger rate "wins" validation
             self.updates_run = self.best_update = 1
-            self.predictions = {"test": np.zeros(n_test, np.int64)}
             self.stages, self.model = [], None
 
-    def fake_train(factory, train, val, num_classes, mode, cfg, seed, learning_rate, eval_sets,
-                   trainers):
+        def predict(self, ids):
+            predicted.append((len(ids), self.learning_rate))
+            return np.zeros(len(ids), np.int64)
+
+    def fake_train(factory, train, val, num_classes, mode, cfg, seed, learning_rate, trainers):
         calls.append((factory(), mode, len(train[1]), tuple(train[1]), cfg, seed, learning_rate))
-        return Fake(len(eval_sets["test"]), learning_rate)
+        return Fake(learning_rate)
 
     monkeypatch.setattr("selfsup_model.transfer.train_classifier", fake_train)
     docs = {s: make_docs(n, k) for s, n, k in (("train", 40, 0), ("val", 10, 1), ("test", 6, 2))}
@@ -167,6 +169,8 @@ def test_every_neural_method_gets_the_same_grid_budget_and_subsets(monkeypatch):
     assert {s["budget_updates"] for s in results.summaries if s["fraction"] == 1.0} == \
         {update_budget(40, cfg)}
     assert len(results.seed_rows) == 4 * (2 + 1) * 6 and set(kept) == {m.name for m in methods}
+    # The test set is predicted once per method, fraction and seed, by the rate validation chose.
+    assert predicted == [(6, 3e-3)] * 4 * (2 + 1)
 
 
 def test_a_causal_encoder_fine_tunes_causally_on_bos_eos_windows(monkeypatch):
@@ -207,3 +211,6 @@ def test_a_run_through_shared_compiled_trainers_does_not_depend_on_earlier_runs(
     train_classifier(pretrained, make_docs(24, 8), val, 2, mode, cfg, 2, 1e-2, test,
                      trainers=shared)
     assert all(np.array_equal(a, b) for a, b in zip(kept, after.model.get_weights()))
+    # ... and so are its predictions, asked for after that run (as the test set is).
+    np.testing.assert_array_equal(after.predict(test["test"]), alone.predictions["test"])
+
