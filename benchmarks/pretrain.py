@@ -130,8 +130,9 @@ def build_ours(spec: dict, args, total: int, dropout_draws: str = "bytes"):
     import keras
 
     from selfsup_model import layers as our_layers
+    from selfsup_model.devices import resolve_jit, resolve_precision
     from selfsup_model.model import build_backbone, build_pretraining_model
-    from selfsup_model.pretraining import build_optimizer, resolve_jit, resolve_precision
+    from selfsup_model.pretraining import build_optimizer
 
     model_cfg = ModelConfig(hidden=spec["hidden"], layers=spec["layers"], heads=spec["heads"],
                             ff=spec["ff"], dropout=spec["dropout"])

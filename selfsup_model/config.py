@@ -204,6 +204,9 @@ class FinetuneConfig(_Section):
     probe_c: tuple[float, ...] = Field((0.01, 0.1, 1.0, 10.0),
                                        description="C grid of the frozen-feature linear probe.")
     eval_batch_size: int = Field(256, ge=1)
+    jit: Literal["auto", "on", "off"] = Field(
+        "auto", description="XLA for the classifiers' train and predict steps; auto: on a GPU "
+                            "or under JAX (as pretrain.jit).")
     subset_seed: int = Field(3, description="Seed of the label subsets every method shares.")
     seeds: tuple[int, ...] = Field((0,), description="Training seeds each neural method repeats.")
     repeat_seeds_up_to: float = Field(

@@ -37,6 +37,7 @@ from selfsup_model.classify import (
     predict_classes,
 )
 from selfsup_model.config import FinetuneConfig
+from selfsup_model.devices import resolve_jit
 from selfsup_model.errors import UserError
 from selfsup_model.features import feature_extractor, predict_in_batches
 from selfsup_model.metrics import macro_f1
@@ -166,7 +167,8 @@ class StageTrainers:
                 _set_trainable(_backbone_of(trainer), kind, cfg.staged_top_blocks)
             optimizer = RestartableAdamW(weight_decay=cfg.weight_decay, global_clipnorm=1.0)
             trainer.compile(optimizer=optimizer,
-                            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+                            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                            jit_compile=resolve_jit(cfg.jit))
             optimizer.build(trainer.trainable_variables)
             self._models[kind] = trainer
         return self._models[kind]

@@ -34,8 +34,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "baseline": {"tfidf_c": [1.0], "tfidf_ngram_max": [1], "bag_dim": 16, "sentence_c": [1.0]},
         "compare": {"bootstrap": 50},
     },
-    # The default: the whole pipeline on the embedded corpus in about 13 minutes on 2 CPU cores
-    # (measured 13 min 5 s), about half of it pretraining (47%).
+    # The default: the whole pipeline on the embedded corpus in about 12 minutes on 2 CPU cores
+    # (measured 11 min 53 s), more than half of it pretraining (58%).
     "demo": {
         "ingest": {"pydocs_max_per_library": 1500},
         "tokenizer": {"vocab_size": 4096},
@@ -55,14 +55,16 @@ PRESETS: dict[str, dict[str, Any]] = {
                       "decay": "linear", "log_every": 50, "eval_every": 500,
                       "checkpoint_every": 500, "jit": "on", "length_buckets": 4},
         # Every neural method: 2 rates x (2 seeds at 5%), 120-300 updates, no dropout inside the
-        # encoder (a third of a CPU step) — the same for pretrained and random_init. Two label
-        # fractions and two pretrained modes (staged unfreezing was the weaker of the two
-        # fine-tuned ones at every fraction, for 2 of the demo's minutes) keep the demo near
-        # 13 minutes; add them with --set finetune.fractions=... / finetune.modes=...
+        # encoder (a third of a CPU step) — the same for pretrained and random_init — and XLA
+        # (benchmarks/finetune.py: 1.5-1.7x the updates/s once compiled). Two label fractions
+        # and two pretrained modes (staged unfreezing was the weaker of the two fine-tuned ones
+        # at every fraction, for 2 of the demo's minutes) keep the demo near 12 minutes; add
+        # them with --set finetune.fractions=... / finetune.modes=...
         "finetune": {"fractions": [0.05, 0.25], "modes": ["probe", "full"],
                      "learning_rates": [3e-4, 1e-3], "epochs": 3,
                      "min_updates": 120, "max_updates": 300, "evals": 4, "patience": 2,
-                     "encoder_dropout": 0.0, "seeds": [0, 1], "repeat_seeds_up_to": 0.05},
+                     "encoder_dropout": 0.0, "seeds": [0, 1], "repeat_seeds_up_to": 0.05,
+                     "jit": "on"},
         # Embedding ~13k docstrings with MiniLM costs ~4 minutes on 2 cores: opt in with
         # --set baseline.sentence_embeddings=auto (or on) when the `embeddings` extra is installed.
         # TF-IDF searches its whole default grid (C 0.1/1/10 x 1-2-grams): seconds with saga.

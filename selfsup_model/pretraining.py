@@ -23,6 +23,7 @@ from keras import ops
 from selfsup_model.artifacts import atomic_write_json, save_keras_atomic, sha256_json
 from selfsup_model.config import MaskingConfig, ModelConfig, PretrainConfig
 from selfsup_model.continued import InitSource, check_compatible
+from selfsup_model.devices import resolve_jit, resolve_precision
 from selfsup_model.errors import UserError
 from selfsup_model.evaluation import unigram_log_probs, validation_metrics, validation_unigram_loss
 from selfsup_model.model import (
@@ -54,24 +55,6 @@ def build_schedule(cfg: PretrainConfig, total_steps: int) -> WarmupDecay:
 def build_optimizer(cfg: PretrainConfig, total_steps: int) -> SelectiveAdamW:
     return SelectiveAdamW(learning_rate=build_schedule(cfg, total_steps),
                           weight_decay=cfg.weight_decay, global_clipnorm=cfg.clip_norm)
-
-
-def gpu_available() -> bool:
-    return any(d.lower().startswith("gpu") for d in keras.distribution.list_devices())
-
-
-def resolve_precision(setting: str) -> str:
-    """Dtype policy name; 'auto' is mixed bfloat16 on a GPU and float32 on CPU."""
-    if setting == "bf16" or (setting == "auto" and gpu_available()):
-        return "mixed_bfloat16"
-    return "float32"
-
-
-def resolve_jit(setting: str) -> bool:
-    """'auto': XLA on a GPU, and always under JAX (un-jitted JAX runs op by op)."""
-    if setting != "auto":
-        return setting == "on"
-    return keras.backend.backend() == "jax" or gpu_available()
 
 
 @dataclasses.dataclass(frozen=True)

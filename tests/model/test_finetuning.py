@@ -214,3 +214,17 @@ def test_a_run_through_shared_compiled_trainers_does_not_depend_on_earlier_runs(
     # ... and so are its predictions, asked for after that run (as the test set is).
     np.testing.assert_array_equal(after.predict(test["test"]), alone.predictions["test"])
 
+
+def test_finetune_jit_setting_reaches_the_compiled_trainers_and_changes_no_result(pretrained):
+    train, val, test = make_docs(32, 1), make_docs(16, 2), {"test": make_docs(12, 3)[0]}
+    runs = {}
+    for jit in ("off", "on"):
+        trainers = StageTrainers()
+        runs[jit] = train_classifier(pretrained, train, val, 2, "full",
+                                     CFG.model_copy(update={"jit": jit}), 1, 3e-3, test,
+                                     trainers=trainers)
+        assert trainers.trainer("all", runs[jit].model, CFG).jit_compile is (jit == "on")
+    assert runs["on"].history == runs["off"].history  # XLA reorders float sums, nothing more
+    np.testing.assert_array_equal(runs["on"].predictions["test"], runs["off"].predictions["test"])
+    for a, b in zip(runs["on"].model.get_weights(), runs["off"].model.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-4)

@@ -16,17 +16,13 @@ import numpy as np
 import pytest
 
 from selfsup_model.config import MaskingConfig, ModelConfig, PretrainConfig
+from selfsup_model.devices import resolve_jit, resolve_precision
 from selfsup_model.evaluation import evaluate_masked_lm, unigram_log_probs
 from selfsup_model.masking import make_static_masks
 from selfsup_model.model import build_backbone, build_pretraining_model
 from selfsup_model.optimizers import WarmupDecay
 from selfsup_model.pretrain_data import PretrainBatches, budget_steps
-from selfsup_model.pretraining import (
-    build_optimizer,
-    pretrain,
-    resolve_jit,
-    resolve_precision,
-)
+from selfsup_model.pretraining import build_optimizer, pretrain
 from selfsup_model.specials import CLS_ID, NUM_SPECIAL, PAD_ID, SEP_ID
 
 ROOT = Path(__file__).resolve().parents[2]
