@@ -12,6 +12,7 @@ from selfsup_model.ingest import (
     ingest_records,
     normalize_document,
 )
+from selfsup_model.pydocs import harvest
 
 CFG = IngestConfig(min_chars=20)
 
@@ -74,6 +75,13 @@ def test_pydocs_ids_are_unique_and_labelled():
     assert len(docs) > 10 and docs["id"].is_unique
     assert set(docs["label"]) == {"json"}
     assert all(i.startswith("json:json") for i in docs["id"])
+
+
+def test_pydocs_harvest_in_worker_processes_equals_the_serial_one():
+    libraries = ("email", "xml", "unittest")  # 64 files: enough for the process pool
+    pooled = harvest(libraries, workers=2, max_per_library=40)
+    pd.testing.assert_frame_equal(pooled, harvest(libraries, workers=1, max_per_library=40))
+    assert len(pooled) == 120 and list(dict.fromkeys(pooled["label"])) == list(libraries)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
