@@ -16,8 +16,11 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunTag
+from mlflow.exceptions import MlflowException
+from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, ErrorCode
 from mlflow.tracking import MlflowClient
 from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 
@@ -52,6 +55,11 @@ def default_tracking_uri(workdir: str | os.PathLike) -> str:
     if env:
         return env
     return f"sqlite:///{Path(workdir).resolve() / 'mlflow.db'}"
+
+
+def is_tracking_server(uri: str) -> bool:
+    """Whether `uri` names an MLflow tracking server (http/https) rather than a store of our own."""
+    return urlparse(uri).scheme in ("http", "https")
 
 
 def flatten(prefix: str, obj: Any) -> dict[str, str]:
@@ -97,10 +105,28 @@ class Tracker:
                 self.client.set_experiment_tag(self.experiment_id, EXPERIMENT_KIND_TAG,
                                                EXPERIMENT_KIND)
         else:
-            location = artifact_root.resolve().as_uri() if artifact_root else None
-            self.experiment_id = self.client.create_experiment(
-                experiment, artifact_location=location,
-                tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
+            self.experiment_id = self._create_experiment(experiment, artifact_root)
+
+    def _create_experiment(self, name: str, artifact_root: Path | None) -> str:
+        """Create the experiment; if a run started at the same moment created it first, use it.
+
+        A tracking server places the artifacts itself (its --artifacts-destination): pinned to
+        this client's workdir, every other machine's runs would log to a path only this one has.
+        """
+        location = (artifact_root.resolve().as_uri()
+                    if artifact_root and not is_tracking_server(self.tracking_uri) else None)
+        try:
+            return self.client.create_experiment(name, artifact_location=location,
+                                                 tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
+        except MlflowException as exc:
+            if exc.error_code != ErrorCode.Name(RESOURCE_ALREADY_EXISTS):
+                raise
+            found = self.client.get_experiment_by_name(name)
+            if found is None:
+                raise
+            log.info("experiment %r was created by another run a moment ago; using it (id %s)",
+                     name, found.experiment_id)
+            return found.experiment_id
 
     def start_run(self, name: str, tags: Mapping[str, str], parent_id: str | None = None) -> str:
         tags = dict(tags)

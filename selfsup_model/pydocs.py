@@ -14,15 +14,18 @@ from __future__ import annotations
 import ast
 import hashlib
 import importlib.util
+import multiprocessing
 import os
 import warnings
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-
-import pandas as pd
+from typing import TYPE_CHECKING
 
 from selfsup_model.errors import CorpusError
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 _SKIP_DIRS = {"tests", "test", "testing", "__pycache__", "_vendor_tests", "benchmarks"}
 _DEF_NODES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
@@ -111,10 +114,19 @@ def _keep_sample(rows: list[tuple[str, str, str, str]],
 def harvest(
     libraries: Sequence[str], workers: int = 2, max_per_library: int | None = None
 ) -> pd.DataFrame:
-    """Docstrings of `libraries` as a DataFrame with columns id, text, label, group."""
+    """Docstrings of `libraries` as a DataFrame with columns id, text, label, group.
+
+    Workers come from a fork server, never a fork of the caller: by ingest the pipeline process
+    holds MLflow's database connections (SQLite or PostgreSQL) and Prefect's and TensorFlow's
+    threads, none of which a forked child may inherit safely. As with any non-fork start method,
+    a script that calls this at import time needs the `if __name__ == "__main__":` guard.
+    """
+    import pandas as pd  # here, not at the top: workers import this module and need only `ast`
+
     jobs = [(lib, rel, full) for lib in libraries for rel, full in library_files(lib)]
     if workers > 1 and len(jobs) > 50:
-        with ProcessPoolExecutor(max_workers=workers) as pool:
+        with ProcessPoolExecutor(max_workers=workers,
+                                 mp_context=multiprocessing.get_context("forkserver")) as pool:
             per_file = list(pool.map(_harvest_file, jobs, chunksize=32))
     else:
         per_file = [_harvest_file(j) for j in jobs]
