@@ -34,9 +34,13 @@ def main(argv=None) -> int:
     p.add_argument("--mode", choices=("full", "scratch"), default="full")
     p.add_argument("--learning-rate", type=float, default=1e-3)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--encoder-dropout", type=float, default=None,
+                   help="finetune.encoder_dropout (default: the demo's, 0)")
     args = p.parse_args(argv)
     wd = Path(args.workdir)
     base = build_config("demo").finetune.model_copy(update={"fractions": (args.fraction,)})
+    if args.encoder_dropout is not None:
+        base = base.model_copy(update={"encoder_dropout": args.encoder_dropout})
     data = load_labelled(wd / "encode", base.max_len)
     if data is None:
         raise SystemExit(f"{wd} has nothing to classify")
@@ -51,7 +55,7 @@ def main(argv=None) -> int:
     trainers = {jit: StageTrainers() for jit in SETTINGS}
     seconds: dict[str, list[float]] = {jit: [] for jit in SETTINGS}
     print(f"# {args.mode}, fraction {args.fraction:g} ({len(subset)} documents), "
-          f"lr {args.learning_rate:g}, seed 0")
+          f"lr {args.learning_rate:g}, seed 0, encoder dropout {base.encoder_dropout:g}")
     print("round  jit  updates  run_s  ms/update  val_macro_f1")
     for rnd in range(1, args.rounds + 1):
         for jit in SETTINGS:

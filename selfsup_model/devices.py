@@ -22,3 +22,14 @@ def resolve_jit(setting: str) -> bool:
     if setting != "auto":
         return setting == "on"
     return keras.backend.backend() == "jax" or gpu_available()
+
+
+def xla_dropout_warning(jit: bool, dropout: float, setting: str) -> str | None:
+    """Why `setting` (a dropout rate > 0) under XLA on a CPU is a bad idea, or None.
+
+    TensorFlow's XLA on a CPU draws random numbers very slowly: with dropout inside the encoder a
+    fine-tuning update took 1.5x as long with XLA as without (benchmarks/README.md)."""
+    if not jit or dropout <= 0 or keras.backend.backend() != "tensorflow" or gpu_available():
+        return None
+    return (f"XLA on a CPU with {setting}={dropout:g}: TensorFlow's random draws under XLA make "
+            f"each step slower than without XLA; set {setting}=0 or turn jit off")

@@ -37,7 +37,7 @@ from selfsup_model.classify import (
     predict_classes,
 )
 from selfsup_model.config import FinetuneConfig
-from selfsup_model.devices import resolve_jit
+from selfsup_model.devices import resolve_jit, xla_dropout_warning
 from selfsup_model.errors import UserError
 from selfsup_model.features import feature_extractor, predict_in_batches
 from selfsup_model.metrics import macro_f1
@@ -166,9 +166,12 @@ class StageTrainers:
             if kind != "head":
                 _set_trainable(_backbone_of(trainer), kind, cfg.staged_top_blocks)
             optimizer = RestartableAdamW(weight_decay=cfg.weight_decay, global_clipnorm=1.0)
+            jit = resolve_jit(cfg.jit)
+            if slow := xla_dropout_warning(jit, cfg.encoder_dropout, "finetune.encoder_dropout"):
+                log.warning(slow)
             trainer.compile(optimizer=optimizer,
                             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                            jit_compile=resolve_jit(cfg.jit))
+                            jit_compile=jit)
             optimizer.build(trainer.trainable_variables)
             self._models[kind] = trainer
         return self._models[kind]

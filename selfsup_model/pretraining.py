@@ -10,6 +10,7 @@ data iterator, so a checkpoint lands at every epoch end and a resumed run is
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import sys
 import warnings
@@ -23,7 +24,7 @@ from keras import ops
 from selfsup_model.artifacts import atomic_write_json, save_keras_atomic, sha256_json
 from selfsup_model.config import MaskingConfig, ModelConfig, PretrainConfig
 from selfsup_model.continued import InitSource, check_compatible
-from selfsup_model.devices import resolve_jit, resolve_precision
+from selfsup_model.devices import resolve_jit, resolve_precision, xla_dropout_warning
 from selfsup_model.errors import UserError
 from selfsup_model.evaluation import unigram_log_probs, validation_metrics, validation_unigram_loss
 from selfsup_model.model import (
@@ -45,6 +46,8 @@ from selfsup_model.pretrain_callbacks import (
 )
 from selfsup_model.pretrain_data import PretrainBatches, budget_steps, check_windows, fit_input
 from selfsup_model.saving import load_keras_model
+
+log = logging.getLogger("selfsup.pretraining")
 
 
 def build_schedule(cfg: PretrainConfig, total_steps: int) -> WarmupDecay:
@@ -166,7 +169,8 @@ def _fresh_model(vocab_size: int, max_len: int, model_cfg: ModelConfig, cfg: Pre
     if init is None:
         backbone = build_backbone(vocab_size, max_len, model_cfg, causal=causal,
                                   dtype=resolve_precision(cfg.mixed_precision))
-        return _compiled(build_pretraining_model(backbone, cfg.objective, model_cfg), cfg, total)
+        return _compiled(build_pretraining_model(backbone, cfg.objective, model_cfg), cfg,
+                         model_cfg.dropout, total)
     source = load_keras_model(init.pretrain_model)  # safe_mode=True, bytes verified by sha256
     check_compatible(source.backbone, vocab_size=vocab_size, max_len=max_len, causal=causal,
                      model_cfg=model_cfg, tokenizer_sha256=tokenizer_sha256 or "",
@@ -174,11 +178,14 @@ def _fresh_model(vocab_size: int, max_len: int, model_cfg: ModelConfig, cfg: Pre
     model = build_pretraining_model(with_dropout(source.backbone, model_cfg.dropout),
                                     cfg.objective, model_cfg)
     model.head.set_weights(source.head.get_weights())  # the objective head continues too
-    return _compiled(model, cfg, total)
+    return _compiled(model, cfg, model_cfg.dropout, total)
 
 
-def _compiled(model, cfg: PretrainConfig, total: int):
-    model.compile(optimizer=build_optimizer(cfg, total), jit_compile=resolve_jit(cfg.jit))
+def _compiled(model, cfg: PretrainConfig, dropout: float, total: int):
+    jit = resolve_jit(cfg.jit)
+    if slow := xla_dropout_warning(jit, dropout, "model.dropout"):
+        log.warning(slow)
+    model.compile(optimizer=build_optimizer(cfg, total), jit_compile=jit)
     return model
 
 

@@ -7,6 +7,7 @@ import pytest
 
 from selfsup_model.classify import build_classifier, is_causal, predict_classes
 from selfsup_model.config import FinetuneConfig, ModelConfig
+from selfsup_model.devices import gpu_available
 from selfsup_model.errors import UserError
 from selfsup_model.features import frozen_features
 from selfsup_model.finetuning import (
@@ -228,3 +229,18 @@ def test_finetune_jit_setting_reaches_the_compiled_trainers_and_changes_no_resul
     np.testing.assert_array_equal(runs["on"].predictions["test"], runs["off"].predictions["test"])
     for a, b in zip(runs["on"].model.get_weights(), runs["off"].model.get_weights()):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-4)
+
+
+def test_xla_with_encoder_dropout_on_a_cpu_is_warned_about(caplog):
+    """TensorFlow's XLA on a CPU draws dropout masks slowly (0.65x the speed without XLA)."""
+    warned = keras.backend.backend() == "tensorflow" and not gpu_available()
+    model = build_classifier(backbone(), 2, "mean", 0.0)
+    with caplog.at_level("WARNING", logger="selfsup.finetuning"):
+        for jit, rate in (("on", 0.1), ("on", 0.0), ("off", 0.1)):
+            StageTrainers().trainer("all", model, CFG.model_copy(
+                update={"jit": jit, "encoder_dropout": rate}))
+    slow = [r.getMessage() for r in caplog.records if "XLA on a CPU" in r.getMessage()]
+    expected = ("XLA on a CPU with finetune.encoder_dropout=0.1: TensorFlow's random draws under "
+                "XLA make each step slower than without XLA; set finetune.encoder_dropout=0 or "
+                "turn jit off")
+    assert slow == ([expected] if warned else [])
