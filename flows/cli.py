@@ -13,6 +13,7 @@ import typing
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from flows.executors import EXECUTORS, Sharding
 from selfsup_model.config import DEFAULT_WORKDIR, CorpusFormat
 from selfsup_model.errors import UserError
 from selfsup_model.presets import PRESETS
@@ -57,6 +58,17 @@ def build_parser() -> argparse.ArgumentParser:
                      help="rerun this stage even if up to date; downstream reruns if its inputs "
                           "change (repeatable)")
     run.add_argument("--no-tracking", action="store_true", help="do not log to MLflow")
+    run.add_argument("--executor", choices=EXECUTORS, default="local",
+                     help="where sharded stages (dedup) run their shard tasks: in this process, "
+                          "a thread pool, or Dask (a local cluster, or --dask-address); never "
+                          "changes an output [default: %(default)s]")
+    run.add_argument("--shards", type=int, metavar="N",
+                     help="shards per sharded stage [default: 1 for local, else one per worker]")
+    run.add_argument("--workers", type=int, metavar="N",
+                     help="threads, or local Dask worker processes [default: one per core]")
+    run.add_argument("--dask-address", metavar="tcp://HOST:PORT",
+                     help="an existing Dask scheduler for --executor dask (its workers need the "
+                          "same paths and PREFECT_API_URL)")
 
     stages = sub.add_parser("stages",
                             help="list the stages in order with their status for a workdir")
@@ -128,6 +140,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     # Everything a user can get wrong is checked here, in well under a second, before
     # TensorFlow, Prefect or a temporary Prefect server start.
     settings = _settings(args)
+    sharding = Sharding(args.executor, args.shards, args.workers, args.dask_address)
     select_stages(args.only, args.from_stage, args.to_stage)
     unknown = [f for f in args.force if f not in STAGE_NAMES]
     if unknown:
@@ -143,7 +156,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
     results = pipeline_flow(corpus=settings.corpus, corpus_format=settings.corpus_format,
                             workdir=args.workdir, preset=settings.preset, config=settings.config,
                             only=args.only, from_stage=args.from_stage, to_stage=args.to_stage,
-                            force=args.force, tracking=not args.no_tracking)
+                            force=args.force, tracking=not args.no_tracking,
+                            executor=sharding.executor, shards=sharding.shards,
+                            workers=sharding.workers, dask_address=sharding.dask_address)
     for r in results:
         print(f"  {r['stage']:<10} {r['status']:<8} {r['duration_s']:7.1f}s  {r['reason']}")
     _print_comparison(Path(args.workdir) / "compare")
@@ -384,6 +399,9 @@ COMMANDS = {"run": _cmd_run, "stages": _cmd_stages, "report": _cmd_report,
 def main(argv: Sequence[str] | None = None) -> int:
     # TensorFlow's runtime C++ logging (INFO and WARNING) stays off unless the user asked for it.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    # Without PREFECT_API_URL a run starts a temporary Prefect server; on a fresh machine its
+    # first start builds the database, which can outlast Prefect's 20 s default on 2 cores.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     args = build_parser().parse_args(argv)
     _configure_logging()
     if not args.debug:

@@ -9,6 +9,7 @@ from typing import Any, Literal
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
+from flows.executors import Executor, Sharding, open_fan_out
 from flows.lock import workdir_lock
 from flows.predict import label_counts_markdown, run_predict
 from flows.settings import RunSettings, changed_keys, read_settings, write_settings
@@ -49,15 +50,18 @@ def run_pipeline(
     force: list[str] | tuple[str, ...] = (),
     preset: str = "custom",
     tracking: bool = True,
+    sharding: Sharding | None = None,
 ) -> list[StageResult]:
-    """Visit `stages` in order under the workdir lock, tracked in one MLflow parent run."""
+    """Visit `stages` in order under the workdir lock, tracked in one MLflow parent run;
+    sharded stages send their shard tasks where `sharding` says (in this process by default)."""
+    sharding = sharding or Sharding()
     stages = stages or list(STAGE_NAMES)
     unknown = [f for f in force if f not in STAGE_NAMES]
     if unknown:
         raise UserError(f"unknown stage(s) for --force: {', '.join(unknown)}; "
                         f"stages are: {', '.join(STAGE_NAMES)}")
     wd = Path(workdir)
-    with workdir_lock(wd):
+    with workdir_lock(wd), open_fan_out(sharding) as fan_out:
         _record_settings(wd, RunSettings(str(corpus), corpus_format, preset, config))
         tracker = parent = None
         if tracking:
@@ -67,12 +71,13 @@ def run_pipeline(
                 "selfsup.corpus": str(corpus), "selfsup.preset": preset,
                 "selfsup.workdir": str(wd.resolve()),
                 "selfsup.objective": config.pretrain.objective, "selfsup.stages": ",".join(stages),
+                "selfsup.executor": sharding.executor, "selfsup.shards": str(fan_out.shards),
                 "mlflow.note.content": f"selfsup pipeline on `{corpus}` (preset `{preset}`); "
                                        "child runs hold each executed stage.",
             })
             tracker.log_params(parent, flatten("", config.model_dump(mode="json")))
         ctx = RunContext(workdir=wd, config=config, corpus=str(corpus), corpus_format=corpus_format,
-                         force=frozenset(force),
+                         force=frozenset(force), fan_out=fan_out,
                          tracking=(PipelineTracking(tracker, parent, config.registered_model)
                                    if tracker else None))
         tasks = stage_tasks()
@@ -116,15 +121,23 @@ def pipeline_flow(
     to_stage: str | None = None,
     force: list[str] | None = None,
     tracking: bool = True,
+    executor: Executor = "local",
+    shards: int | None = None,
+    workers: int | None = None,
+    dask_address: str | None = None,
 ) -> list[dict[str, Any]]:
-    """Run the selfsup pipeline: ingest -> ... -> compare, skipping stages that are up to date."""
+    """Run the selfsup pipeline: ingest -> ... -> compare, skipping stages that are up to date.
+
+    executor/shards/workers/dask_address choose where sharded stages run their shard tasks
+    (`flows.executors`); they never change an output."""
     cfg = resolve_config(preset, config, overrides or [])
+    sharding = Sharding(executor, shards, workers, dask_address)
     force = list(force or [])
     if from_stage:
         force.append(from_stage)
     results = run_pipeline(cfg, corpus, corpus_format, workdir,
                            select_stages(only, from_stage, to_stage), force, preset,
-                           tracking=tracking)
+                           tracking=tracking, sharding=sharding)
     return [r.__dict__ for r in results]
 
 
@@ -137,11 +150,16 @@ def stage_flow(
     preset: Literal["tiny", "demo", "base", "custom"] = "demo",
     config: PipelineConfig | None = None,
     overrides: list[str] | None = None,
+    executor: Executor = "local",
+    shards: int | None = None,
+    workers: int | None = None,
+    dask_address: str | None = None,
 ) -> list[dict[str, Any]]:
     """Rerun one named stage (its inputs must already exist in the workdir)."""
     cfg = resolve_config(preset, config, overrides or [])
     results = run_pipeline(cfg, corpus, corpus_format, workdir, select_stages(only=stage),
-                           [stage], preset)
+                           [stage], preset,
+                           sharding=Sharding(executor, shards, workers, dask_address))
     return [r.__dict__ for r in results]
 
 

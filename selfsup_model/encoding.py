@@ -32,9 +32,13 @@ from tokenizers import Tokenizer
 
 from selfsup_model.artifacts import atomic_save_npy
 from selfsup_model.config import EncodeConfig
+from selfsup_model.sharding import TextSource
 from selfsup_model.specials import CLS_ID, PAD_ID, SEP_ID
+from selfsup_model.tokenization import load_tokenizer
 
 _SUFFIXES = ("windows", "doc_offsets", "kept")
+_COUNT_KEYS = ("documents", "kept_docs", "empty_docs", "sequences", "tokens", "content_tokens",
+               "truncated_docs", "truncated_tokens")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +83,31 @@ def encode_split(tok: Tokenizer, texts: Sequence[str], cfg: EncodeConfig) -> Enc
         "truncated_tokens": int(uncovered_a.sum()),
     }
     return EncodedSplit(windows_a, doc_offsets, kept, empty, counts)
+
+
+def encode_shard(source: TextSource, rows: np.ndarray, tokenizer: str,
+                 cfg: EncodeConfig) -> EncodedSplit:
+    """One shard of a split: the texts at `rows` of `source`, encoded with the tokenizer file
+    at `tokenizer` (the shard task of the encode stage; see `merge_encoded`)."""
+    return encode_split(load_tokenizer(tokenizer), source.take(rows), cfg)
+
+
+def merge_encoded(parts: Sequence[EncodedSplit], max_len: int) -> EncodedSplit:
+    """Consecutive shards of one split's texts, encoded apart, as if encoded together."""
+    if not parts:
+        return EncodedSplit(np.zeros((0, max_len), np.int32), np.zeros(1, np.int64),
+                            np.zeros(0, np.int64), np.zeros(0, np.int64),
+                            dict.fromkeys(_COUNT_KEYS, 0))
+    doc_base = np.cumsum([0] + [p.counts["documents"] for p in parts[:-1]])
+    win_base = np.cumsum([0] + [len(p.windows) for p in parts[:-1]])
+    return EncodedSplit(
+        np.concatenate([p.windows for p in parts]),
+        np.concatenate([np.zeros(1, np.int64)]
+                       + [p.doc_offsets[1:] + w for p, w in zip(parts, win_base, strict=True)]),
+        np.concatenate([p.kept + d for p, d in zip(parts, doc_base, strict=True)]),
+        np.concatenate([p.empty + d for p, d in zip(parts, doc_base, strict=True)]),
+        {key: sum(p.counts[key] for p in parts) for key in _COUNT_KEYS},
+    )
 
 
 def _tokenize(tok: Tokenizer, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:

@@ -55,7 +55,7 @@ def lsh_params(
     return _optimal_param(threshold, num_perm, 1.0 - miss_weight, miss_weight)
 
 
-def _band_keys(signatures: np.ndarray, bands: int, rows: int) -> np.ndarray:
+def band_keys(signatures: np.ndarray, bands: int, rows: int) -> np.ndarray:
     """One 64-bit key per (band, document): (bands, n) uint64.
 
     Key collisions only add candidates, and every candidate is verified."""
@@ -67,7 +67,7 @@ def _band_keys(signatures: np.ndarray, bands: int, rows: int) -> np.ndarray:
     return keys ^ (keys >> np.uint64(29))
 
 
-def _pairs_in_runs(keys: np.ndarray) -> np.ndarray:
+def pairs_in_runs(keys: np.ndarray) -> np.ndarray:
     """All (i, j) pairs of positions whose keys are equal: (m, 2) int64."""
     order = np.argsort(keys, kind="stable")
     k = keys[order]
@@ -87,9 +87,14 @@ def candidate_pairs(
     signatures: np.ndarray, threshold: float, bands_rows: tuple[int, int] | None = None
 ) -> np.ndarray:
     """LSH candidate pairs within one set: (m, 2) int64, i < j, sorted, unique."""
-    n = len(signatures)
     bands, rows = bands_rows or lsh_params(threshold, signatures.shape[1])
-    found = [_pairs_in_runs(keys) for keys in _band_keys(signatures, bands, rows)]
+    return union_pairs([pairs_in_runs(keys) for keys in band_keys(signatures, bands, rows)],
+                       len(signatures))
+
+
+def union_pairs(found: list[np.ndarray], n: int) -> np.ndarray:
+    """The distinct unordered pairs among several (m, 2) arrays over n items: (c, 2) int64,
+    i < j, sorted."""
     pairs = np.concatenate(found) if found else np.empty((0, 2), dtype=np.int64)
     code = sorted_unique(
         np.minimum(pairs[:, 0], pairs[:, 1]) * n + np.maximum(pairs[:, 0], pairs[:, 1])
@@ -108,7 +113,7 @@ def band_buckets(
     bands, rows = bands_rows
     sig = signatures if columns is None else signatures[:, columns]
     members, sizes = [], []
-    for keys in _band_keys(sig, bands, rows):
+    for keys in band_keys(sig, bands, rows):
         order = np.argsort(keys, kind="stable")
         k = keys[order]
         start = np.flatnonzero(np.r_[True, k[1:] != k[:-1]])

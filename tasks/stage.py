@@ -31,8 +31,10 @@ from selfsup_model.artifacts import (
 )
 from selfsup_model.config import PipelineConfig
 from selfsup_model.errors import ArtifactError
+from selfsup_model.sharding import FanOut, InProcess
 
 log = logging.getLogger("selfsup.stage")
+IN_PROCESS = InProcess()
 
 Status = Literal["up-to-date", "stale", "missing", "blocked"]
 LogFn = Callable[[dict[str, float], int], None]
@@ -92,6 +94,8 @@ class RunContext:
     force: frozenset[str] = frozenset()
     tracking: StageTracking | None = None
     stage_run: str | None = None  # the tracked run of the stage being computed
+    # where sharded stages run their shard tasks; not a parameter of any output
+    fan_out: FanOut = IN_PROCESS
 
     def metric_logger(self) -> LogFn | None:
         """Per-step metric logging into the current stage's run, or None when untracked."""

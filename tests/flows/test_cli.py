@@ -44,6 +44,19 @@ def test_unknown_stage_exits_2(tmp_path, capsys):
     assert "stages are: ingest" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("args", "message"), [
+    (["--dask-address", "tcp://127.0.0.1:8786"], "needs executor 'dask'"),
+    (["--executor", "dask", "--shards", "0"], "shards must be at least 1"),
+    (["--executor", "threads", "--workers", "0"], "workers must be at least 1"),
+    (["--executor", "dask", "--dask-address", "tcp://127.0.0.1:8786", "--workers", "2"],
+     "has the workers it has"),
+])
+def test_bad_executor_settings_exit_2_before_anything_runs(tmp_path, capsys, args, message):
+    assert main(["run", "--workdir", str(tmp_path / "wd"), "--no-tracking", *args]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "wd").exists()
+
+
 @pytest.mark.usefixtures("prefect_harness")
 def test_run_flow_then_report_json(folder_corpus, tmp_path, mlflow_uri, capsys):
     wd = str(tmp_path / "wd")

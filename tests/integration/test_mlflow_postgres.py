@@ -19,7 +19,6 @@ import os
 import pwd
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,7 @@ from prefect.settings import PREFECT_API_URL
 
 from flows.pipeline import run_pipeline
 from selfsup_model.presets import build_config
+from tests.integration.servers import free_port, stop_group, wait_ready
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,34 +80,6 @@ def _has_user(name: str) -> bool:
     return True
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _stop(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
-    """Signal the process group (the server and its workers, a run and its worker processes),
-    even after the leader exited; kill what is left after 30 s."""
-    try:
-        os.killpg(proc.pid, sig)
-    except ProcessLookupError:
-        pass
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-
-
-def _wait(ready, proc: subprocess.Popen, log: Path, what: str, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while not ready():
-        assert proc.poll() is None, f"{what} exited:\n{log.read_text()[-3000:]}"
-        assert time.monotonic() < deadline, f"{what} did not start:\n{log.read_text()[-3000:]}"
-        time.sleep(0.5)
-
-
 @pytest.fixture(scope="module")
 def postgres() -> Iterator[str]:
     """A throwaway PostgreSQL cluster on 127.0.0.1 with an empty `mlflow` database; its
@@ -131,7 +103,7 @@ def postgres() -> Iterator[str]:
                               env=env, cwd=base, capture_output=True, text=True, timeout=120,
                               check=False, **as_user)
         assert made.returncode == 0, f"initdb failed:\n{made.stdout[-2000:]}{made.stderr[-2000:]}"
-        port = _free_port()
+        port = free_port()
         with open(log, "w") as out:
             server = subprocess.Popen(
                 [bin_dir / "postgres", "-D", base / "data", "-h", "127.0.0.1", "-p", str(port),
@@ -147,7 +119,7 @@ def postgres() -> Iterator[str]:
                 return False
             return True
 
-        _wait(accepting, server, log, "PostgreSQL")
+        wait_ready(accepting, server, log, "PostgreSQL")
         conn = psycopg2.connect(host="127.0.0.1", port=port, user=PG_USER, dbname="postgres")
         conn.autocommit = True  # CREATE DATABASE cannot run in a transaction
         with conn.cursor() as cur:
@@ -156,7 +128,7 @@ def postgres() -> Iterator[str]:
         yield f"postgresql+psycopg2://{PG_USER}@127.0.0.1:{port}/mlflow"
     finally:
         if server is not None:
-            _stop(server, signal.SIGINT)  # PostgreSQL's fast shutdown
+            stop_group(server, signal.SIGINT)  # PostgreSQL's fast shutdown
         shutil.rmtree(base, ignore_errors=True)
 
 
@@ -165,7 +137,7 @@ def mlflow_server(postgres, tmp_path_factory) -> Iterator[tuple[str, Path]]:
     """`mlflow server` over that database, artifacts proxied into a local folder; (URL, folder)."""
     home = tmp_path_factory.mktemp("mlflow-server")
     artifacts = home / "artifacts"
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     log = home / "server.log"
@@ -183,10 +155,10 @@ def mlflow_server(postgres, tmp_path_factory) -> Iterator[tuple[str, Path]]:
             except OSError:
                 return False
 
-        _wait(healthy, server, log, "mlflow server", timeout=180)
+        wait_ready(healthy, server, log, "mlflow server", timeout=180)
         yield url, artifacts
     finally:
-        _stop(server)
+        stop_group(server)
 
 
 def test_a_pipeline_logs_runs_metrics_and_artifacts_to_the_server(mlflow_server, tmp_path,
@@ -263,7 +235,7 @@ def test_two_runs_creating_the_experiment_at_once_both_finish(mlflow_server, tmp
         codes = [p.wait(timeout=300) for p in racers]
     finally:
         for proc in racers:
-            _stop(proc, signal.SIGKILL)
+            stop_group(proc, signal.SIGKILL)
     assert codes == [0, 0], _logs(tmp_path)
 
     client = MlflowClient(url)

@@ -33,9 +33,9 @@ def ids_for(texts):
     return [f"d{i}" for i in range(len(texts))]
 
 
-def all_pairs(signatures, threshold):
-    """Stand-in for LSH that proposes every pair: verification alone must decide."""
-    n = len(signatures)
+def all_pairs(keys):
+    """Stand-in for an LSH band that proposes every pair: verification alone must decide."""
+    n = len(keys)
     i, j = np.triu_indices(n, k=1)
     return np.stack([i, j], axis=1).astype(np.int64)
 
@@ -202,7 +202,7 @@ def test_near_duplicates_found_by_lsh_and_longest_text_is_kept():
 
 
 def test_every_candidate_is_verified_on_both_sides_of_the_threshold(monkeypatch):
-    monkeypatch.setattr(dedup, "candidate_pairs", all_pairs)
+    monkeypatch.setattr(dedup, "band_candidates", all_pairs)
     above = [words(0, 100), replace_tail(11)]  # J = 89/111 = 0.802
     res = find_duplicates(ids_for(above), above, WORDS)
     assert res.clusters["is_kept"].tolist() == [True, False]
@@ -214,7 +214,7 @@ def test_every_candidate_is_verified_on_both_sides_of_the_threshold(monkeypatch)
 
 
 def test_chain_forms_one_cluster_scored_against_the_representative(monkeypatch):
-    monkeypatch.setattr(dedup, "candidate_pairs", all_pairs)
+    monkeypatch.setattr(dedup, "band_candidates", all_pairs)
     # J(A,B) = J(B,C) = 36/44 >= 0.8 but J(A,C) = 32/48: one cluster through B.
     texts = [words(0, 40), words(4, 44), words(8, 48)]
     res = find_duplicates(ids_for(texts), texts, WORDS)

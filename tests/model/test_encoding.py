@@ -153,3 +153,27 @@ def test_write_and_memory_map_round_trip(tok, tmp_path):
     offsets = np.load(tmp_path / "train_doc_offsets.npy", allow_pickle=False)
     assert offsets.tolist() == out.doc_offsets.tolist()
     assert np.load(tmp_path / "train_kept.npy", allow_pickle=False).tolist() == [0, 2]
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.integers(0, 300), min_size=0, max_size=12), st.integers(1, 6))
+def test_shards_encoded_apart_and_merged_equal_one_pass(tok, tmp_path_factory, lengths, shards):
+    """The encode stage's sharding law: whatever the cut, the merge is the one-pass result
+    (empty documents included: their indices shift with their shard)."""
+    from selfsup_model.encoding import encode_shard, merge_encoded
+    from selfsup_model.sharding import InMemoryTexts, shard_bounds
+    from selfsup_model.tokenization import save_tokenizer
+
+    cfg = EncodeConfig(max_len=16, overlap=2, max_windows_per_doc=3, batch_size=4)
+    texts = [doc(k, n) for k, n in enumerate(lengths)]
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    save_tokenizer(tok, path)
+    rows = np.arange(len(texts))
+    merged = merge_encoded([encode_shard(InMemoryTexts(texts), rows[lo:hi], str(path), cfg)
+                            for lo, hi in shard_bounds(len(texts), shards)], cfg.max_len)
+    whole = encode_split(tok, texts, cfg)
+    for name in ("windows", "doc_offsets", "kept", "empty"):
+        got, want = getattr(merged, name), getattr(whole, name)
+        assert got.dtype == want.dtype and got.shape == want.shape, name
+        np.testing.assert_array_equal(got, want, err_msg=name)
+    assert merged.counts == whole.counts

@@ -1,0 +1,39 @@
+"""Helpers shared by the tests that start real local servers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stop_group(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
+    """Signal the process group (the server and its workers, a run and its worker processes),
+    even after the leader exited; kill what is left after 30 s."""
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
+def wait_ready(ready, proc: subprocess.Popen, log: Path, what: str, timeout: float = 120) -> None:
+    """Poll `ready()` until true; fail with the process's log if it exits or time runs out."""
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert proc.poll() is None, f"{what} exited:\n{log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"{what} did not start:\n{log.read_text()[-3000:]}"
+        time.sleep(0.5)
