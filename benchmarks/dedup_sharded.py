@@ -49,20 +49,24 @@ def build_corpus(docs: int, seed: int, near_rate: float = 0.1,
                  exact_rate: float = 0.05) -> pd.DataFrame:
     rng = np.random.default_rng(seed)
     vocab = np.array([f"w{i}" for i in range(30_000)])
-    zipf = 1.0 / np.arange(1, len(vocab) + 1)
-    zipf /= zipf.sum()
+    cdf = np.cumsum(1.0 / np.arange(1, len(vocab) + 1))
+    cdf /= cdf[-1]
+
+    def draw(k: int) -> np.ndarray:  # k Zipf-distributed words
+        return vocab[np.minimum(np.searchsorted(cdf, rng.random(k)), len(vocab) - 1)]
+
     words = []
     for i in range(docs):
         roll = rng.random()
         if i > 0 and roll < near_rate:
             src = words[rng.integers(i)]
             rate, roll_w = rng.uniform(0, 0.3), rng.random(len(src))
-            substituted = np.where(roll_w < rate / 2, rng.choice(vocab, len(src), p=zipf), src)
+            substituted = np.where(roll_w < rate / 2, draw(len(src)), src)
             words.append(substituted[~((roll_w >= rate / 2) & (roll_w < rate))])  # deletions
         elif i > 0 and roll < near_rate + exact_rate:
             words.append(words[rng.integers(i)])
         else:
-            words.append(rng.choice(vocab, rng.integers(40, 161), p=zipf))
+            words.append(draw(rng.integers(40, 161)))
     texts = [" ".join(w) for w in words]
     exact = rng.random(docs) < exact_rate  # a change of case and spacing only
     texts = [t.upper().replace(" ", "  ") if e else t for t, e in zip(texts, exact, strict=True)]

@@ -85,14 +85,29 @@ class TaskRunnerFanOut:
         self._runner_factory = runner_factory
 
     def run(self, name: str, body: Callable[[Mapper], T]) -> T:
-        from prefect import flow
+        key = f"{name}-{id(body)}"
+        _BODIES[key] = body
+        try:
+            return _sharded_flow().with_options(name=f"selfsup-{name}-shards",
+                                                task_runner=self._runner_factory())(key)
+        finally:
+            del _BODIES[key]
 
-        @flow(name=f"selfsup-{name}-shards", task_runner=self._runner_factory(),
-              persist_result=False, validate_parameters=False)
-        def sharded() -> Any:
-            return body(PrefectMapper())
 
-        return sharded()
+# The bodies of running sub-flows, by key. A task runner ships the enclosing flow with every
+# task it submits, so the sub-flow's function must not close over the stage's data: it is a
+# module-level function that finds its body here, in the driver.
+_BODIES: dict[str, Callable[[Mapper], Any]] = {}
+
+
+def _run_body(key: str) -> Any:
+    return _BODIES[key](PrefectMapper())
+
+
+def _sharded_flow():
+    from prefect import flow
+
+    return flow(_run_body, persist_result=False, validate_parameters=False)
 
 
 class PrefectMapper:
