@@ -33,3 +33,28 @@ def xla_dropout_warning(jit: bool, dropout: float, setting: str) -> str | None:
         return None
     return (f"XLA on a CPU with {setting}={dropout:g}: TensorFlow's random draws under XLA make "
             f"each step slower than without XLA; set {setting}=0 or turn jit off")
+
+
+def data_parallel(batch_size: int):
+    """Keras' `DataParallel` over this process's devices when the backend is JAX and it has
+    more than one (GPUs, or host devices forced with XLA_FLAGS); None otherwise, or when
+    SELFSUP_DATA_PARALLEL=off.
+
+    Each device computes its slice of every global batch on replicated weights. The
+    token-weighted loss stays exact: it is one SPMD program over the global batch, so its
+    sums run over every replica's tokens before the division. The TensorFlow backend stays on
+    one device."""
+    import os
+
+    from selfsup_model.errors import UserError
+
+    if keras.backend.backend() != "jax" or os.environ.get("SELFSUP_DATA_PARALLEL") == "off":
+        return None
+    devices = keras.distribution.list_devices()
+    if len(devices) < 2:
+        return None
+    if batch_size % len(devices):
+        raise UserError(f"batch size {batch_size} does not divide over {len(devices)} devices "
+                        f"({', '.join(devices)}); choose a multiple of {len(devices)}, or set "
+                        "SELFSUP_DATA_PARALLEL=off to train on one")
+    return keras.distribution.DataParallel(devices=devices)

@@ -24,7 +24,12 @@ from keras import ops
 from selfsup_model.artifacts import atomic_write_json, save_keras_atomic, sha256_json
 from selfsup_model.config import MaskingConfig, ModelConfig, PretrainConfig
 from selfsup_model.continued import InitSource, check_compatible
-from selfsup_model.devices import resolve_jit, resolve_precision, xla_dropout_warning
+from selfsup_model.devices import (
+    data_parallel,
+    resolve_jit,
+    resolve_precision,
+    xla_dropout_warning,
+)
 from selfsup_model.errors import UserError
 from selfsup_model.evaluation import unigram_log_probs, validation_metrics, validation_unigram_loss
 from selfsup_model.model import (
@@ -86,7 +91,23 @@ def pretrain(train_windows, val_masks, vocab_size: int, model_cfg: ModelConfig,
              tokenizer_sha256: str | None = None) -> PretrainResult:
     """Pretrain an encoder on (n, max_len) windows, resuming from `out_dir/checkpoints` if
     present; with `init`, start from that run's pretrained model (continued pretraining),
-    whose tokenizer must be this run's (`tokenizer_sha256`)."""
+    whose tokenizer must be this run's (`tokenizer_sha256`). Under JAX with several local
+    devices it runs data-parallel (`devices.data_parallel`)."""
+    distribution = data_parallel(pretrain_cfg.batch_size)
+    if distribution is None:
+        return _pretrain(train_windows, val_masks, vocab_size, model_cfg, pretrain_cfg,
+                         masking_cfg, out_dir, log_metrics, progress, init, tokenizer_sha256)
+    log.info("data-parallel over %d devices: %s", len(distribution.device_mesh.devices.ravel()),
+             ", ".join(map(str, distribution.device_mesh.devices.ravel())))
+    with distribution.scope():
+        return _pretrain(train_windows, val_masks, vocab_size, model_cfg, pretrain_cfg,
+                         masking_cfg, out_dir, log_metrics, progress, init, tokenizer_sha256)
+
+
+def _pretrain(train_windows, val_masks, vocab_size: int, model_cfg: ModelConfig,
+              pretrain_cfg: PretrainConfig, masking_cfg: MaskingConfig, out_dir,
+              log_metrics: LogFn | None, progress: bool, init: InitSource | None,
+              tokenizer_sha256: str | None) -> PretrainResult:
     check_windows(train_windows, vocab_size)
     out_dir, obj, cfg = Path(out_dir), pretrain_cfg.objective, pretrain_cfg
     _check_val_masks(val_masks, int(train_windows.shape[1]))
