@@ -30,7 +30,6 @@ shingle, MinHashLSH insert + query) is timed on a random subsample
 from __future__ import annotations
 
 import argparse
-import json
 import resource
 import sys
 import time
@@ -39,6 +38,7 @@ import tracemalloc
 import numpy as np
 import pandas as pd
 from datasketch import MinHash, MinHashLSH
+from output import emit
 
 from selfsup_model.config import DEFAULT_PYDOCS_LIBRARIES, DedupConfig
 from selfsup_model.dedup import find_duplicates
@@ -239,12 +239,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="also write the results as JSON here")
     args = parser.parse_args()
-    result = run(args)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as fh:
-            fh.write(text + "\n")
+    emit(run(args), args.out)
 
 
 if __name__ == "__main__":

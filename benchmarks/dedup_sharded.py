@@ -25,7 +25,6 @@ process (all methods), each worker's peak RSS at the end.
 from __future__ import annotations
 
 import argparse
-import json
 import resource
 import sys
 import tempfile
@@ -34,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from output import emit
 
 from flows.executors import Sharding, open_fan_out, prefect_api_url
 from selfsup_model.config import DedupConfig
@@ -134,11 +134,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="also write the results as JSON here")
     args = parser.parse_args()
-    result = run(args)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit(run(args), args.out)
 
 
 if __name__ == "__main__":

@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import json
 import pstats
 import sys
 import time
 
 import numpy as np
+from output import emit
 from scipy import sparse
 from sklearn.feature_extraction.text import CountVectorizer
 from templated import templated_corpus
@@ -186,11 +186,7 @@ def main() -> None:
     )
     parser.add_argument("--out", help="also write the results as JSON here")
     args = parser.parse_args()
-    text = json.dumps(run(args), indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as fh:
-            fh.write(text + "\n")
+    emit(run(args), args.out)
 
 
 if __name__ == "__main__":
