@@ -207,8 +207,9 @@ def jaccard_shard(source: TextSource, pairs: np.ndarray, kind: str, size: int) -
     """Exact shingle Jaccard of (m, 2) document-row pairs of `source`: (m,) float64; only the
     documents the pairs name are read and shingled."""
     involved = sorted_unique(pairs.ravel())
-    local = np.searchsorted(involved, pairs)
-    return verify_pairs(source.take(involved), local, kind, size)
+    # verify_pairs reads texts[i] only for the rows the pairs name: a dict of those suffices
+    return verify_pairs(dict(zip(involved.tolist(), source.take(involved), strict=True)), pairs,
+                        kind, size)
 
 
 def _jaccard(mapper: Mapper, name: str, source: TextSource, pairs: np.ndarray,
