@@ -59,9 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "change (repeatable)")
     run.add_argument("--no-tracking", action="store_true", help="do not log to MLflow")
     run.add_argument("--executor", choices=EXECUTORS, default="local",
-                     help="where sharded stages (dedup, encode) run their shard tasks: in this "
-                          "process, a thread pool, or Dask (a local cluster, or --dask-address); "
-                          "never changes an output [default: %(default)s]")
+                     help="where sharded stages (ingest, dedup, encode) run their shard tasks: "
+                          "in this process, a thread pool, or Dask (a local cluster, or "
+                          "--dask-address); never changes an output [default: %(default)s]")
     run.add_argument("--shards", type=int, metavar="N",
                      help="shards per sharded stage [default: 1 for local, else one per worker]")
     run.add_argument("--workers", type=int, metavar="N",

@@ -7,6 +7,11 @@ Three corpus kinds (see DESIGN.md "Corpora"):
 
 Every record read ends up in exactly one of `documents` or `rejects`, so
 ``read == kept + sum(rejected by reason)`` always holds.
+
+Judging (reading a folder's files, decoding, normalising, hashing) is per-document
+work cut into shards (`judge_shard`) that the run's executor places; the driver
+lists the records and keeps the first document of every id and every text, in
+record order, so the result never depends on the shard count.
 """
 
 from __future__ import annotations
@@ -16,16 +21,19 @@ import hashlib
 import math
 import os
 import re
+import tempfile
 import unicodedata
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from selfsup_model.artifacts import sha256_json
 from selfsup_model.config import CorpusFormat, IngestConfig
 from selfsup_model.errors import CorpusError
+from selfsup_model.sharding import FanOut, InProcess, Progress, shard_bounds
 
 TABLE_SUFFIXES = {
     ".csv": "csv", ".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".pq": "parquet",
@@ -89,8 +97,10 @@ def detect_format(path: str | os.PathLike, fmt: CorpusFormat = "auto") -> Corpus
     )
 
 
-def iter_folder(root: Path) -> Iterator[RawRecord]:
-    """Records of a folder-per-class corpus, in sorted path order."""
+def list_folder(root: Path) -> list[RawRecord]:
+    """Records of a folder-per-class corpus, in sorted path order, without their data: the
+    judging shards read the files (`FileData`). A file outside a class folder is a record
+    with its reject reason already set."""
     if not root.is_dir():
         raise CorpusError(f"corpus folder {str(root)!r} does not exist or is not a folder")
     # Not only regular files: a dangling link or special file named *.txt is reported, not skipped.
@@ -99,20 +109,16 @@ def iter_folder(root: Path) -> Iterator[RawRecord]:
         raise CorpusError(
             f"corpus folder {str(root)!r} holds no .txt files (expected <folder>/<label>/*.txt)"
         )
+    records = []
     for path in files:
-        rel = path.relative_to(root).as_posix()
-        if len(path.relative_to(root).parts) < 2:
-            yield RawRecord(rel, rel, None, error="outside_class_folder",
-                            detail="files must sit in <folder>/<label>/")
-            continue
-        label = path.relative_to(root).parts[0]
-        try:
-            data = path.read_bytes()
-        except OSError as exc:
-            yield RawRecord(rel, rel, None, label=label, error="unreadable",
-                            detail=str(exc.strerror))
-            continue
-        yield RawRecord(rel, rel, data, label=label, group=None)
+        rel = path.relative_to(root)
+        name = rel.as_posix()
+        if len(rel.parts) < 2:
+            records.append(RawRecord(name, name, None, error="outside_class_folder",
+                                     detail="files must sit in <folder>/<label>/"))
+        else:
+            records.append(RawRecord(name, name, None, label=rel.parts[0]))
+    return records
 
 
 def read_table(path: Path, cfg: IngestConfig) -> pd.DataFrame:
@@ -181,7 +187,11 @@ def judge_record(rec: RawRecord, cfg: IngestConfig) -> tuple[str | None, str | N
     """(normalised text or None, reject reason or None, detail)."""
     if rec.error:
         return None, rec.error, rec.detail
-    data = rec.data
+    return judge_data(rec.data, cfg)
+
+
+def judge_data(data: bytes | str | None, cfg: IngestConfig) -> tuple[str | None, str | None, str]:
+    """(normalised text or None, reject reason or None, detail) of one record's data."""
     if data is None:
         return None, "empty", "missing text"
     if isinstance(data, bytes):
@@ -191,8 +201,11 @@ def judge_record(rec: RawRecord, cfg: IngestConfig) -> tuple[str | None, str | N
             data = data.decode("utf-8")
         except UnicodeDecodeError as exc:
             return None, "not_utf8", f"invalid UTF-8 at byte {exc.start}"
-    elif any(0xDC80 <= ord(c) <= 0xDCFF for c in data if ord(c) >= 0xD800):
-        return None, "not_utf8", "invalid UTF-8 bytes"
+    else:
+        bad = next((c for c in data if 0xD800 <= ord(c) <= 0xDFFF), None)
+        if bad is not None:  # escaped undecodable bytes (CSV), or a lone surrogate (JSON)
+            return None, "not_utf8", ("invalid UTF-8 bytes" if ord(bad) >= 0xDC80
+                                      else f"lone surrogate U+{ord(bad):04X}")
     if "\x00" in data:
         return None, "binary", "NUL character"
     if len(data) > cfg.max_chars * 4:  # cheap guard before normalising a huge string
@@ -207,24 +220,165 @@ def judge_record(rec: RawRecord, cfg: IngestConfig) -> tuple[str | None, str | N
     return text, None, ""
 
 
+# Where a judging shard finds its records' data. Each is small to ship: file names, or a
+# row group of a file the driver staged, or (in-process only) the values themselves.
+
+@dataclasses.dataclass(frozen=True)
+class FileData:
+    """A folder corpus' files, read by the shard; None for a record judged at listing."""
+
+    root: str
+    names: tuple[str | None, ...]
+
+    def load(self) -> Iterator[bytes | str | None | tuple[str, str]]:
+        for name in self.names:
+            if name is None:
+                yield ("listed", "")  # the driver keeps the listing's reason
+                continue
+            try:
+                yield (Path(self.root) / name).read_bytes()
+            except OSError as exc:
+                yield ("unreadable", str(exc.strerror))
+
+
+@dataclasses.dataclass(frozen=True)
+class StagedData:
+    """Row group `group` of a parquet file the driver wrote (`stage_data`): texts as UTF-8
+    with surrogates passed through, so every str comes back exactly as it was."""
+
+    path: str
+    group: int
+
+    def load(self) -> Iterator[str | None]:
+        import pyarrow.parquet as pq
+
+        column = pq.ParquetFile(self.path).read_row_group(self.group, columns=["data"])
+        for value in column.column(0).to_pylist():
+            yield None if value is None else value.decode("utf-8", "surrogatepass")
+
+
+@dataclasses.dataclass(frozen=True)
+class HeldData:
+    """The data values themselves (for shards that run in this process)."""
+
+    values: tuple[bytes | str | None, ...]
+
+    def load(self) -> Iterator[bytes | str | None]:
+        return iter(self.values)
+
+
+def stage_data(values: list[bytes | str | None], bounds: list[tuple[int, int]],
+               path: Path) -> list[StagedData]:
+    """Write str/None values to `path`, one row group per shard, for shards elsewhere."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    with pq.ParquetWriter(path, pa.schema([("data", pa.binary())])) as writer:
+        for lo, hi in bounds:
+            chunk = [None if v is None else v.encode("utf-8", "surrogatepass")
+                     for v in values[lo:hi]]
+            writer.write_table(pa.table({"data": pa.array(chunk, pa.binary())}),
+                               row_group_size=max(hi - lo, 1))
+    return [StagedData(str(path), i) for i in range(len(bounds))]
+
+
+@dataclasses.dataclass(frozen=True)
+class JudgedShard:
+    """One shard's verdicts in record order; kept texts are in `texts`, or in the parquet
+    file `spill` when the shard ran elsewhere (texts never travel through a scheduler)."""
+
+    reasons: list[str | None]
+    details: list[str]
+    digests: np.ndarray  # (n,) V16: blake2b-128 of each kept text (zeros when rejected)
+    texts: list[str | None] | None
+    spill: str | None
+
+    def kept_texts(self) -> list[str | None]:
+        if self.texts is not None:
+            return self.texts
+        import pyarrow.parquet as pq
+
+        return pq.read_table(self.spill).column("text").to_pylist()
+
+
+def judge_shard(data: FileData | StagedData | HeldData, cfg: IngestConfig,
+                spill: str | None = None) -> JudgedShard:
+    """Read, decode, normalise and hash one shard's records (a shard task)."""
+    texts, reasons, details, digests = [], [], [], []
+    for value in data.load():
+        if isinstance(value, tuple):
+            text, reason, detail = None, *value
+        else:
+            text, reason, detail = judge_data(value, cfg)
+        texts.append(text)
+        reasons.append(reason)
+        details.append(detail)
+        digests.append(hashlib.blake2b(text.encode("utf-8"), digest_size=16).digest()
+                       if text is not None else bytes(16))
+    digest_array = np.frombuffer(b"".join(digests), dtype="V16")
+    if spill is None:
+        return JudgedShard(reasons, details, digest_array, texts, None)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": pa.array(texts, pa.string())}), spill)
+    return JudgedShard(reasons, details, digest_array, None, spill)
+
+
 def ingest_records(
-    records: Iterable[RawRecord], cfg: IngestConfig, corpus_name: str
+    records: Iterable[RawRecord], cfg: IngestConfig, corpus_name: str, *,
+    root: Path | None = None, fan_out: FanOut | None = None, scratch: Path | None = None,
+    progress: Progress | None = None,
 ) -> IngestResult:
     """Judge every record; the first document with a given id (or identical text) wins.
+
+    `root`: the records name files under this folder, read by the judging shards (their
+    `data` is unused). `fan_out` places the shards (default: here, as one shard); when they
+    run elsewhere, the driver stages table/pydocs texts and the shards spill their kept
+    texts to files under `scratch` (a path every worker can read; default: a temporary
+    folder), which are removed before returning.
 
     Byte-identical copies (after normalisation) are rejected here as duplicate_text,
     naming the kept document; copies that differ only in case or punctuation, and
     near-duplicates, are the dedup stage's job.
     """
+    records = list(records)
+    fan_out = fan_out or InProcess()
+    bounds = shard_bounds(len(records), fan_out.shards)
+    with tempfile.TemporaryDirectory(prefix="selfsup-ingest-", dir=scratch) as tmp:
+        spill = None if fan_out.in_process else Path(tmp)
+        if root is not None:
+            parts = [FileData(str(root), tuple(None if r.error else r.source
+                                               for r in records[lo:hi])) for lo, hi in bounds]
+        elif spill is None:
+            parts = [HeldData(tuple(r.data for r in records[lo:hi])) for lo, hi in bounds]
+        else:
+            parts = stage_data([r.data for r in records], bounds, spill / "data.parquet")
+        items = [{"data": part, "cfg": cfg,
+                  "spill": None if spill is None else str(spill / f"kept-{i:05d}.parquet")}
+                 for i, part in enumerate(parts)]
+        judged = fan_out.run("ingest", lambda mapper: mapper("ingest-judge", judge_shard, items,
+                                                             progress))
+        texts = [t for shard in judged for t in shard.kept_texts()]
+    reasons = [r for shard in judged for r in shard.reasons]
+    details = [d for shard in judged for d in shard.details]
+    digests = np.concatenate([s.digests for s in judged]) if judged else np.zeros(0, "V16")
+    return _first_occurrences(records, texts, reasons, details, digests, corpus_name)
+
+
+def _first_occurrences(records: list[RawRecord], texts: list[str | None],
+                       reasons: list[str | None], details: list[str], digests: np.ndarray,
+                       corpus_name: str) -> IngestResult:
+    """Documents and rejects from judged records, in record order: a record's listing error
+    wins over its judgement, then the first use of an id or a text."""
     docs, rejects = [], []
     seen_ids: set[str] = set()
     seen_text: dict[bytes, str] = {}
-    read = 0
-    for rec in records:
-        read += 1
-        text, reason, detail = judge_record(rec, cfg)
-        digest = hashlib.blake2b(text.encode("utf-8"), digest_size=16).digest() if text else b""
-        if reason is None and rec.id in seen_ids:
+    for rec, text, reason, detail, digest in zip(records, texts, reasons, details,
+                                                 digests.tolist(), strict=True):
+        if rec.error:
+            reason, detail = rec.error, rec.detail
+        elif reason is None and rec.id in seen_ids:
             reason, detail = "duplicate_id", f"id {rec.id!r} already used by an earlier document"
         elif reason is None and digest in seen_text:
             reason, detail = "duplicate_text", f"same text as kept document {seen_text[digest]!r}"
@@ -239,6 +393,7 @@ def ingest_records(
          "source": "string"})
     reject_frame = pd.DataFrame(rejects, columns=REJECT_COLUMNS).astype("string")
     by_reason = Counter(reject_frame["reason"].tolist())
+    read = len(records)
     counts = {"read": read, "kept": len(documents), "rejected": len(reject_frame)}
     counts.update({f"rejected_{r}": by_reason.get(r, 0) for r in REJECT_REASONS})
     counts["labelled"] = int(documents["label"].notna().sum())
@@ -295,16 +450,21 @@ def _table_columns(path: Path) -> list[str]:
                           f"{str(exc).splitlines()[0]}") from None
 
 
-def ingest_corpus(corpus: str, fmt: CorpusFormat, cfg: IngestConfig) -> IngestResult:
-    """Read and judge a whole corpus (folder, table or 'pydocs')."""
+def ingest_corpus(corpus: str, fmt: CorpusFormat, cfg: IngestConfig, *,
+                  fan_out: FanOut | None = None, scratch: Path | None = None,
+                  progress: Progress | None = None) -> IngestResult:
+    """Read and judge a whole corpus (folder, table or 'pydocs'); see `ingest_records`."""
     kind = detect_format(corpus, fmt)
+    root = None
     if kind == "pydocs":
         records = iter_pydocs(cfg)
     elif kind == "folder":
-        records = iter_folder(Path(corpus))
+        root = Path(corpus)
+        records = list_folder(root)
     else:
         records = iter_table(Path(corpus), cfg)
-    return ingest_records(records, cfg, corpus)
+    return ingest_records(records, cfg, corpus, root=root, fan_out=fan_out, scratch=scratch,
+                          progress=progress)
 
 
 def corpus_fingerprint(corpus: str, fmt: CorpusFormat, cfg: IngestConfig) -> dict[str, object]:

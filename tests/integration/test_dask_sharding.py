@@ -1,4 +1,4 @@
-"""Sharded stages (dedup, encode) on Dask give the bytes the in-process run gives.
+"""Sharded stages (ingest, dedup, encode) on Dask give the bytes the in-process run gives.
 
 1. A 2-worker `LocalCluster` (what `--executor dask` starts) with 1, 4 and 7 shards: the
    artifacts are byte-identical to the in-process run, and a change of executor or shard
@@ -27,7 +27,8 @@ from tests.integration.servers import free_port, stop_group, wait_ready
 
 pytestmark = pytest.mark.integration
 BIN = Path(sys.executable).parent
-SHARDED = {"dedup": ("clusters.parquet", "near_pairs.parquet", "signatures.npy"),
+SHARDED = {"ingest": ("documents.parquet", "rejects.parquet"),
+           "dedup": ("clusters.parquet", "near_pairs.parquet", "signatures.npy"),
            "encode": tuple(f"{split}_{name}" for split in ("train", "val", "test")
                            for name in ("windows.npy", "doc_offsets.npy", "kept.npy",
                                         "docs.parquet")) + ("rejects.parquet",)}
@@ -50,6 +51,8 @@ def corpus(tmp_path_factory) -> Path:
         text = " ".join(words)  # ingest drops verbatim copies; dedup folds case
         if i % 9 == 1:
             text = rows[-1]["text"].upper()
+        if i % 37 == 5:  # ingest rejects these
+            text = " \t " if i % 2 else "short"
         rows.append({"id": f"doc{i}", "text": text, "label": f"class{label}"})
     path = tmp_path_factory.mktemp("dask-corpus") / "corpus.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
@@ -64,6 +67,7 @@ def _sharded_bytes(wd: Path) -> dict[str, bytes]:
 def test_sharded_stages_on_a_local_dask_cluster_are_byte_identical(corpus, tmp_path):
     cfg, wd = build_config("tiny"), tmp_path / "wd"
     first = run_pipeline(cfg, str(corpus), workdir=str(wd), stages=UP_TO_ENCODE, tracking=False)
+    assert first[0].counts["rejected_empty"] > 0 and first[0].counts["rejected_too_short"] > 0
     assert first[1].counts["near_duplicates"] > 0 and first[1].counts["exact_duplicates"] > 0
     expected = _sharded_bytes(wd)
     for shards in (1, 4, 7):
@@ -148,7 +152,7 @@ def test_cli_through_an_existing_scheduler_with_a_real_prefect_server(corpus, tm
                 "--shards", "3")
         assert _sharded_bytes(remote) == _sharded_bytes(local)
         assert _executed_on_worker(scheduler) > before  # the shards ran on that worker
-        for name in ("dedup-signatures", "encode-train"):
+        for name in ("ingest-judge", "dedup-signatures", "encode-train"):
             runs = _task_runs(api, f"{name}%")
             assert len(runs) == 3 and {t["state_type"] for t in runs} == {"COMPLETED"}, name
     finally:

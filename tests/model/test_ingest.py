@@ -1,3 +1,5 @@
+import json
+
 import pandas as pd
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -13,6 +15,7 @@ from selfsup_model.ingest import (
     normalize_document,
 )
 from selfsup_model.pydocs import harvest
+from selfsup_model.sharding import InProcess, local_map
 
 CFG = IngestConfig(min_chars=20)
 
@@ -98,3 +101,76 @@ def test_accounting_law_holds_for_any_input(items):
     c = result.counts
     assert c["read"] == len(items) == c["kept"] + sum(c[f"rejected_{r}"] for r in REJECT_REASONS)
     assert result.documents["id"].is_unique
+
+
+class _Elsewhere:
+    """A fan-out whose shards count as running in another process: the driver stages table
+    texts and the shards spill theirs to files, exactly as on Dask, but run here."""
+
+    in_process = False
+
+    def __init__(self, shards: int):
+        self.shards = shards
+        self.calls = 0
+
+    def run(self, name, body):
+        return body(self._mapper)
+
+    def _mapper(self, name, fn, items, progress=None):
+        self.calls += len(items)
+        return local_map(name, fn, items, progress)
+
+
+def _table_with_every_reason(path):
+    rows = [{"id": f"d{i}", "text": f"document number {i} has enough words to be kept"}
+            for i in range(23)]
+    rows[3]["text"] = rows[1]["text"]  # duplicate_text
+    rows[5]["id"] = "d2"  # duplicate_id
+    rows[7]["text"] = "tiny"  # too_short
+    rows[9]["text"] = "   "  # empty
+    rows[13]["text"] = "a NUL \x00 inside a long enough document"  # binary
+    rows[15]["text"] = None  # missing
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize("shards", [1, 3, 7, 40])
+@pytest.mark.parametrize("elsewhere", [False, True])
+def test_sharded_judging_gives_the_one_shard_result(folder_corpus, tmp_path, shards, elsewhere):
+    table = _table_with_every_reason(tmp_path / "t.jsonl")
+    cfg = IngestConfig(min_chars=10)
+    for corpus in (str(folder_corpus), str(table)):
+        one = ingest_corpus(corpus, "auto", cfg)
+        fan_out = _Elsewhere(shards) if elsewhere else InProcess(shards)
+        scratch = tmp_path / "scratch"
+        scratch.mkdir(exist_ok=True)
+        cut = ingest_corpus(corpus, "auto", cfg, fan_out=fan_out, scratch=scratch)
+        pd.testing.assert_frame_equal(cut.documents, one.documents)
+        pd.testing.assert_frame_equal(cut.rejects, one.rejects)
+        assert cut.counts == one.counts
+        assert list(scratch.iterdir()) == []  # staged and spilled files are gone
+        if elsewhere:
+            assert fan_out.calls == min(shards, one.counts["read"])
+
+
+def test_table_rejects_carry_their_reasons(tmp_path):
+    result = ingest_corpus(str(_table_with_every_reason(tmp_path / "t.jsonl")), "auto",
+                           IngestConfig(min_chars=10))
+    reasons = dict(zip(result.rejects["id"], result.rejects["reason"]))
+    assert reasons == {"d3": "duplicate_text", "d2": "duplicate_id", "d7": "too_short",
+                       "d9": "empty", "d13": "binary", "d15": "empty"}
+    assert result.counts["kept"] == 23 - 6
+
+
+@pytest.mark.parametrize("fan_out", [InProcess(2), _Elsewhere(2)])
+def test_undecodable_text_is_rejected_not_a_crash(fan_out):
+    """Text with escaped undecodable bytes (CSV) or a lone surrogate cannot be written as
+    UTF-8: it is rejected as not_utf8, also when staged for shards elsewhere."""
+    recs = [RawRecord("s", "ok", "a perfectly fine document"),
+            RawRecord("s", "esc", "bad byte \udce9 in a long enough text"),
+            RawRecord("s", "lone", "lone \ud800 surrogate in a long enough text")]
+    result = ingest_records(recs, IngestConfig(min_chars=10), "mem", fan_out=fan_out)
+    assert result.rejects[["id", "reason", "detail"]].values.tolist() == [
+        ["esc", "not_utf8", "invalid UTF-8 bytes"],
+        ["lone", "not_utf8", "lone surrogate U+D800"]]
+    assert result.documents["id"].tolist() == ["ok"]
