@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from collections.abc import Iterator
+
 import keras
+
+log = logging.getLogger("selfsup.devices")
 
 
 def gpu_available() -> bool:
@@ -58,3 +64,18 @@ def data_parallel(batch_size: int):
                         f"({', '.join(devices)}); choose a multiple of {len(devices)}, or set "
                         "SELFSUP_DATA_PARALLEL=off to train on one")
     return keras.distribution.DataParallel(devices=devices)
+
+
+@contextlib.contextmanager
+def data_parallel_scope(batch_size: int, what: str) -> Iterator[None]:
+    """Run the block under `data_parallel(batch_size)` when it applies (models built inside
+    hold replicated weights and every batch is split over the devices); else as is."""
+    distribution = data_parallel(batch_size)
+    if distribution is None:
+        yield
+        return
+    devices = distribution.device_mesh.devices.ravel()
+    log.info("%s: data-parallel over %d devices: %s", what, len(devices),
+             ", ".join(map(str, devices)))
+    with distribution.scope():
+        yield

@@ -194,7 +194,7 @@ def copy_state(source: keras.Model, target: keras.Model) -> None:
     if [_layout(v) for v in src] != [_layout(v) for v in dst]:
         raise RuntimeError(f"models {source.name} and {target.name} are not built alike")
     for a, b in zip(src, dst):
-        b.assign(a)
+        _assign_copy(b, a)
 
 
 class ClassifierRun:
@@ -310,7 +310,13 @@ def _copy_head(source: keras.Model, target: keras.Model) -> None:
     """The head's weights and its dropout's seed state."""
     for name in ("head_dropout", "head_logits"):
         for a, b in zip(source.get_layer(name).variables, target.get_layer(name).variables):
-            b.assign(a)
+            _assign_copy(b, a)
+
+
+def _assign_copy(target, source) -> None:
+    """`target` takes a copy of `source`'s value, never its buffer: under JAX a compiled train
+    step donates (frees) its variables' buffers, which would free the other model's too."""
+    target.assign(keras.ops.copy(source.value))
 
 
 def _set_trainable(backbone: keras.Model, kind: str, top_blocks: int) -> None:

@@ -25,7 +25,7 @@ from selfsup_model.artifacts import atomic_write_json, save_keras_atomic, sha256
 from selfsup_model.config import MaskingConfig, ModelConfig, PretrainConfig
 from selfsup_model.continued import InitSource, check_compatible
 from selfsup_model.devices import (
-    data_parallel,
+    data_parallel_scope,
     resolve_jit,
     resolve_precision,
     xla_dropout_warning,
@@ -93,13 +93,7 @@ def pretrain(train_windows, val_masks, vocab_size: int, model_cfg: ModelConfig,
     present; with `init`, start from that run's pretrained model (continued pretraining),
     whose tokenizer must be this run's (`tokenizer_sha256`). Under JAX with several local
     devices it runs data-parallel (`devices.data_parallel`)."""
-    distribution = data_parallel(pretrain_cfg.batch_size)
-    if distribution is None:
-        return _pretrain(train_windows, val_masks, vocab_size, model_cfg, pretrain_cfg,
-                         masking_cfg, out_dir, log_metrics, progress, init, tokenizer_sha256)
-    log.info("data-parallel over %d devices: %s", len(distribution.device_mesh.devices.ravel()),
-             ", ".join(map(str, distribution.device_mesh.devices.ravel())))
-    with distribution.scope():
+    with data_parallel_scope(pretrain_cfg.batch_size, "pretraining"):
         return _pretrain(train_windows, val_masks, vocab_size, model_cfg, pretrain_cfg,
                          masking_cfg, out_dir, log_metrics, progress, init, tokenizer_sha256)
 

@@ -23,6 +23,7 @@ from selfsup_model.artifacts import atomic_write_json, atomic_write_parquet
 from selfsup_model.baselines import logreg_on_features, majority_class, tfidf_logreg
 from selfsup_model.classify import stratified_subset
 from selfsup_model.config import BaselineConfig, FinetuneConfig
+from selfsup_model.devices import data_parallel_scope
 from selfsup_model.features import frozen_features
 from selfsup_model.finetuning import (
     ClassifierResult,
@@ -166,7 +167,15 @@ def train_neural_methods(data: LabelledData, methods: Sequence[NeuralMethod], cf
     training seed, each learning rate of the grid; the rate, then the seed, chosen on validation.
 
     Returns the results and, per method, its selected classifier at the largest fraction.
+    Under JAX with several local devices every run is data-parallel
+    (`devices.data_parallel_scope`).
     """
+    with data_parallel_scope(cfg.batch_size, "fine-tuning"):
+        return _train_neural_methods(data, methods, cfg)
+
+
+def _train_neural_methods(data: LabelledData, methods: Sequence[NeuralMethod],
+                          cfg: FinetuneConfig) -> tuple[MethodResults, dict[str, ClassifierResult]]:
     train, y_train, y_val = data.splits["train"], data.y("train"), data.y("val")
     val_known = y_val >= 0  # selection can only score labels the model can predict
     val = (data.splits["val"].windows[val_known], y_val[val_known])
@@ -225,9 +234,10 @@ def frozen_probe(name: str, data: LabelledData, backbone_factory: BackboneFactor
     mode, standardised on each training subset), C tuned on validation; also the fit at the
     largest fraction."""
     t0 = time.perf_counter()
-    backbone = backbone_factory()
-    features = {split: frozen_features(backbone, data.splits[split].windows, cfg.pooling,
-                                       cfg.eval_batch_size) for split in SPLITS}
+    with data_parallel_scope(cfg.eval_batch_size, "frozen features"):
+        backbone = backbone_factory()
+        features = {split: frozen_features(backbone, data.splits[split].windows, cfg.pooling,
+                                           cfg.eval_batch_size) for split in SPLITS}
     fits: list[ProbeFit] = []
     results = features_probe(name, data, features, cfg.probe_c, cfg, time.perf_counter() - t0,
                              standardize=True, fits=fits)

@@ -1,10 +1,12 @@
-"""Data-parallel pretraining under JAX: two devices give the one-device losses.
+"""Data-parallel training under JAX: two devices give the one-device results.
 
 The child process forces two host devices (XLA_FLAGS) and pretrains the same tiny model twice
 from the same seed: once on one device (SELFSUP_DATA_PARALLEL=off) and once under Keras'
 `DataParallel` (each device holds half of every batch of 8). The token-weighted loss is
 total weighted loss over total scored tokens of the global batch, so every logged training
-loss and the validation loss must agree to 1e-5.
+loss and the validation loss must agree to 1e-5. Fine-tuning (the protocol's grid over
+pretrained_full and random_init, and the frozen probe's features) likewise: every validation
+score, every test prediction and the selected classifiers' weights.
 """
 
 from __future__ import annotations
@@ -62,10 +64,68 @@ def test_data_parallel_pretraining_matches_one_device():
     proc = subprocess.run([sys.executable, "-c", _CHILD], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "data-parallel over 2 devices" in proc.stderr  # the second run really was split
+    # the second run really was split
+    assert "pretraining: data-parallel over 2 devices" in proc.stderr
     out = json.loads(proc.stdout.split("RESULT ", 1)[1])
     one, two = out["off"], out["auto"]
     assert len(one["train"]) == 6
     assert two["train"] == pytest.approx(one["train"], abs=1e-5)
     assert two["val"] == pytest.approx(one["val"], abs=1e-5)
     assert "does not divide over 2 devices" in out["uneven"]
+
+
+_FINETUNE_CHILD = textwrap.dedent("""
+    import json, logging, os, sys, tempfile
+    import keras
+    import numpy as np
+    from selfsup_model.config import FinetuneConfig, ModelConfig
+    from selfsup_model.model import build_backbone
+    from selfsup_model.transfer import (LabelledData, LabelledSplit, NeuralMethod, frozen_probe,
+                                        train_neural_methods)
+    from tests.model.toy import make_docs
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    keras.utils.set_random_seed(0)
+    path = os.path.join(tempfile.mkdtemp(), "encoder.keras")
+    build_backbone(20, 8, ModelConfig(hidden=8, layers=2, heads=2, ff=16, dropout=0.1,
+                                      norm="pre")).save(path)
+    load = lambda: keras.saving.load_model(path, safe_mode=True)
+    docs = {s: make_docs(n, k) for s, n, k in (("train", 48, 0), ("val", 13, 1), ("test", 11, 2))}
+    splits = {s: LabelledSplit(np.array([f"{s}{i}" for i in range(len(y))]),
+                               np.where(y == 1, "b", "a"), ids) for s, (ids, y) in docs.items()}
+    data = LabelledData(["a", "b"], splits, {}, 8)
+    cfg = FinetuneConfig(batch_size=8, eval_batch_size=8, fractions=(0.5, 1.0), epochs=2,
+                         min_updates=6, max_updates=12, evals=3, learning_rates=(1e-3, 3e-3),
+                         dropout=0.1, encoder_dropout=0.1)
+    methods = [NeuralMethod("pretrained_full", "full", load),
+               NeuralMethod("random_init", "scratch", load)]
+    out = {}
+    for mode in ("off", "auto"):
+        os.environ["SELFSUP_DATA_PARALLEL"] = mode
+        results, kept = train_neural_methods(data, methods, cfg)
+        probe, _ = frozen_probe("pretrained_probe", data, load, cfg)
+        out[mode] = {
+            "grid": [g["val_macro_f1"] for s in results.summaries for g in s["grid"]],
+            "rows": [list(map(str, r)) for r in results.rows + probe.rows],
+            "weights": [float(np.abs(w).sum()) for m in kept.values()
+                        for w in m.model.get_weights()]}
+    print("RESULT", json.dumps(out))
+""")
+
+
+def test_data_parallel_fine_tuning_matches_one_device():
+    if os.environ.get("SELFSUP_REQUIRE_JAX") != "1":
+        pytest.importorskip("jax")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "KERAS_BACKEND": "jax", "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    proc = subprocess.run([sys.executable, "-c", _FINETUNE_CHILD], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "fine-tuning: data-parallel over 2 devices" in proc.stderr
+    assert "frozen features: data-parallel over 2 devices" in proc.stderr
+    out = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    one, two = out["off"], out["auto"]
+    assert len(one["grid"]) == 2 * 2 * 2 and len(one["weights"]) > 10
+    assert two["grid"] == pytest.approx(one["grid"], abs=1e-5)
+    assert two["rows"] == one["rows"]
+    assert two["weights"] == pytest.approx(one["weights"], rel=1e-5, abs=1e-5)
