@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -56,6 +57,11 @@ def run_pipeline(
     sharded stages send their shard tasks where `sharding` says (in this process by default)."""
     sharding = sharding or Sharding()
     stages = stages or list(STAGE_NAMES)
+    if int(os.environ.get("KERAS_DISTRIBUTION_NUM_PROCESSES", "1") or 1) > 1:
+        raise UserError("a pipeline run is one process: unset KERAS_DISTRIBUTION_NUM_PROCESSES. "
+                        "Several training processes are a library path for now "
+                        "(selfsup_model.pretraining.pretrain; README 'Training on several "
+                        "devices')")
     unknown = [f for f in force if f not in STAGE_NAMES]
     if unknown:
         raise UserError(f"unknown stage(s) for --force: {', '.join(unknown)}; "

@@ -41,12 +41,60 @@ def xla_dropout_warning(jit: bool, dropout: float, setting: str) -> str | None:
             f"each step slower than without XLA; set {setting}=0 or turn jit off")
 
 
-def data_parallel(batch_size: int):
-    """Keras' `DataParallel` over this process's devices when the backend is JAX and it has
-    more than one (GPUs, or host devices forced with XLA_FLAGS); None otherwise, or when
-    SELFSUP_DATA_PARALLEL=off.
+def join_processes() -> int:
+    """Join the processes named by Keras' launch variables, once, and return their count.
 
-    Each device computes its slice of every global batch on replicated weights. The
+    With ``KERAS_DISTRIBUTION_NUM_PROCESSES`` > 1 (and ``KERAS_DISTRIBUTION_JOB_ADDRESSES``,
+    ``KERAS_DISTRIBUTION_PROCESS_ID``) under JAX, `keras.distribution.initialize` connects this
+    process to the others (process 0 is the coordinator); it must run before the process's
+    first JAX computation. Otherwise there is one process."""
+    import os
+
+    from selfsup_model.errors import UserError
+
+    wanted = int(os.environ.get("KERAS_DISTRIBUTION_NUM_PROCESSES", "1") or 1)
+    if wanted <= 1:
+        return 1
+    if keras.backend.backend() != "jax":
+        raise UserError("several training processes (KERAS_DISTRIBUTION_NUM_PROCESSES="
+                        f"{wanted}) need KERAS_BACKEND=jax")
+    import jax
+
+    if not _JOINED:
+        keras.distribution.initialize()
+        _JOINED.append(True)
+    return jax.process_count()
+
+
+_JOINED: list[bool] = []
+
+
+def process_count() -> int:
+    """How many training processes run this computation together (1 unless joined)."""
+    if keras.backend.backend() != "jax":
+        return 1
+    import jax
+
+    return jax.process_count()
+
+
+def process_index() -> int:
+    """This process's place among the training processes (0: the one that writes)."""
+    if keras.backend.backend() != "jax":
+        return 0
+    import jax
+
+    return jax.process_index()
+
+
+def data_parallel(batch_size: int):
+    """Keras' `DataParallel` over every device of every training process when the backend is
+    JAX and there is more than one device (GPUs, host devices forced with XLA_FLAGS, or
+    several processes, `join_processes`); None otherwise, or when SELFSUP_DATA_PARALLEL=off
+    (one process only).
+
+    Each device computes its slice of every global batch on replicated weights; with several
+    processes each feeds its own slice of the global batch (no automatic sharding). The
     token-weighted loss stays exact: it is one SPMD program over the global batch, so its
     sums run over every replica's tokens before the division. The TensorFlow backend stays on
     one device."""
@@ -54,7 +102,9 @@ def data_parallel(batch_size: int):
 
     from selfsup_model.errors import UserError
 
-    if keras.backend.backend() != "jax" or os.environ.get("SELFSUP_DATA_PARALLEL") == "off":
+    processes = join_processes()
+    if keras.backend.backend() != "jax" or (
+            processes == 1 and os.environ.get("SELFSUP_DATA_PARALLEL") == "off"):
         return None
     devices = keras.distribution.list_devices()
     if len(devices) < 2:
@@ -63,7 +113,18 @@ def data_parallel(batch_size: int):
         raise UserError(f"batch size {batch_size} does not divide over {len(devices)} devices "
                         f"({', '.join(devices)}); choose a multiple of {len(devices)}, or set "
                         "SELFSUP_DATA_PARALLEL=off to train on one")
-    return keras.distribution.DataParallel(devices=devices)
+    return keras.distribution.DataParallel(devices=devices, auto_shard_dataset=processes == 1)
+
+
+@contextlib.contextmanager
+def no_distribution() -> Iterator[None]:
+    """Variables made inside live on this process's default device only (host copies)."""
+    previous = keras.distribution.distribution()
+    keras.distribution.set_distribution(None)
+    try:
+        yield
+    finally:
+        keras.distribution.set_distribution(previous)
 
 
 @contextlib.contextmanager

@@ -261,3 +261,28 @@ def fit_input(data: PretrainBatches):
     dataset = tf.data.Dataset.from_generator(
         lambda: (data[i] for i in range(len(data))), output_signature=spec)
     return dataset.prefetch(tf.data.AUTOTUNE)
+
+
+class ProcessSlice(keras.utils.PyDataset):
+    """Process `index` of `count`'s rows of every global batch of `data`: with several training
+    processes each feeds its own contiguous slice, and together they are the global batch
+    (Keras places process p's rows after those of processes 0..p-1)."""
+
+    def __init__(self, data: PretrainBatches, index: int, count: int):
+        super().__init__()
+        self.data, self.index, self.count = data, index, count
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int):
+        batch = self.data[i]
+
+        def part(a: np.ndarray) -> np.ndarray:
+            if len(a) % self.count:
+                raise UserError(f"a batch of {len(a)} rows does not divide over {self.count} "
+                                "processes; choose a pretrain.batch_size that does")
+            rows = len(a) // self.count
+            return a[self.index * rows:(self.index + 1) * rows]
+
+        return keras.tree.map_structure(part, batch)

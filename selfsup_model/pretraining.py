@@ -9,7 +9,9 @@ data iterator, so a checkpoint lands at every epoch end and a resumed run is
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import hashlib
 import logging
 import math
 import sys
@@ -26,6 +28,9 @@ from selfsup_model.config import MaskingConfig, ModelConfig, PretrainConfig
 from selfsup_model.continued import InitSource, check_compatible
 from selfsup_model.devices import (
     data_parallel_scope,
+    no_distribution,
+    process_count,
+    process_index,
     resolve_jit,
     resolve_precision,
     xla_dropout_warning,
@@ -49,7 +54,13 @@ from selfsup_model.pretrain_callbacks import (
     read_checkpoint,
     restore_rng_state,
 )
-from selfsup_model.pretrain_data import PretrainBatches, budget_steps, check_windows, fit_input
+from selfsup_model.pretrain_data import (
+    PretrainBatches,
+    ProcessSlice,
+    budget_steps,
+    check_windows,
+    fit_input,
+)
 from selfsup_model.saving import load_keras_model
 
 log = logging.getLogger("selfsup.pretraining")
@@ -88,11 +99,17 @@ def pretrain(train_windows, val_masks, vocab_size: int, model_cfg: ModelConfig,
              pretrain_cfg: PretrainConfig,
              masking_cfg: MaskingConfig, out_dir, log_metrics: LogFn | None = None,
              progress: bool = True, init: InitSource | None = None,
-             tokenizer_sha256: str | None = None) -> PretrainResult:
+             tokenizer_sha256: str | None = None) -> PretrainResult | None:
     """Pretrain an encoder on (n, max_len) windows, resuming from `out_dir/checkpoints` if
     present; with `init`, start from that run's pretrained model (continued pretraining),
-    whose tokenizer must be this run's (`tokenizer_sha256`). Under JAX with several local
-    devices it runs data-parallel (`devices.data_parallel`)."""
+    whose tokenizer must be this run's (`tokenizer_sha256`). Under JAX with several devices
+    it runs data-parallel (`devices.data_parallel`).
+
+    Several processes (Keras' ``KERAS_DISTRIBUTION_*`` launch variables, `devices.
+    join_processes`) each call this with the same arguments; each feeds its slice of every
+    global batch. Process 0 alone evaluates, reports `log_metrics` and writes `out_dir`, from
+    a host copy of the trained weights; the others return None. Such a run starts afresh and
+    writes no mid-run checkpoints (nothing to resume from)."""
     with data_parallel_scope(pretrain_cfg.batch_size, "pretraining"):
         return _pretrain(train_windows, val_masks, vocab_size, model_cfg, pretrain_cfg,
                          masking_cfg, out_dir, log_metrics, progress, init, tokenizer_sha256)
@@ -104,9 +121,11 @@ def _pretrain(train_windows, val_masks, vocab_size: int, model_cfg: ModelConfig,
               tokenizer_sha256: str | None) -> PretrainResult:
     check_windows(train_windows, vocab_size)
     out_dir, obj, cfg = Path(out_dir), pretrain_cfg.objective, pretrain_cfg
+    processes, writer = process_count(), process_index() == 0
     _check_val_masks(val_masks, int(train_windows.shape[1]))
     ckpt_dir = out_dir / "checkpoints"
-    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    if writer:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
     max_len = int(train_windows.shape[1])
     total = budget_steps(cfg, max_len)
     per_epoch = min(cfg.checkpoint_every, total)
@@ -115,26 +134,42 @@ def _pretrain(train_windows, val_masks, vocab_size: int, model_cfg: ModelConfig,
                                "windows": list(train_windows.shape),
                                "init": init.pretrain_model_sha256 if init else None})
 
-    record = read_checkpoint(ckpt_dir)
+    record = read_checkpoint(ckpt_dir) if processes == 1 else None
     if record is not None and record.get("fingerprint") != fingerprint:
         record = None  # another configuration's checkpoint: never resume from it
     if record is None:
-        for stale in [*ckpt_dir.glob("ckpt-*.keras"), ckpt_dir / LATEST, ckpt_dir / JOURNAL]:
-            stale.unlink(missing_ok=True)
+        if writer:
+            for stale in [*ckpt_dir.glob("ckpt-*.keras"), ckpt_dir / LATEST, ckpt_dir / JOURNAL]:
+                stale.unlink(missing_ok=True)
         model = _fresh_model(vocab_size, max_len, model_cfg, cfg, total, init, tokenizer_sha256)
         start_step, initial_epoch, state = 0, 0, None
     else:
         model = load_keras_model(record["path"])  # safe_mode=True
         restore_rng_state(model, record.get("rng", {}))
         start_step, initial_epoch, state = record["step"], record["epoch"] + 1, record["reporter"]
+    # With several processes the trained weights span devices no one process can run or save
+    # alone: process 0 evaluates and saves a copy on its own device, synced from them.
+    host = model
+    if processes > 1:
+        with no_distribution():
+            host = _fresh_model(vocab_size, max_len, model_cfg, cfg, total, init,
+                                tokenizer_sha256)
 
-    export_model = build_pretrain_export_model(model.backbone, model.head, obj)
+    def sync_host() -> None:
+        if host is not model:  # replicated weights: each process reads its own replica
+            host.set_weights(model.get_weights())
+
+    export_model = build_pretrain_export_model(host.backbone, host.head, obj)
     log_probs = unigram_log_probs(train_windows, vocab_size, obj)
     baseline = validation_unigram_loss(log_probs, obj, val_masks)
 
     def evaluate() -> dict[str, float]:
-        return {**validation_metrics(export_model, obj, val_masks, cfg.batch_size),
-                "val/unigram_baseline_loss": baseline}
+        if not writer:
+            return {}
+        sync_host()
+        with no_distribution() if host is not model else contextlib.nullcontext():
+            return {**validation_metrics(export_model, obj, val_masks, cfg.batch_size),
+                    "val/unigram_baseline_loss": baseline}
 
     schedule = build_schedule(cfg, total)  # the optimiser's own (same config: same fingerprint)
     data = PretrainBatches(train_windows, objective=obj, batch_size=cfg.batch_size,
@@ -146,25 +181,46 @@ def _pretrain(train_windows, val_masks, vocab_size: int, model_cfg: ModelConfig,
         step_tokens=data.step_tokens,
         log_every=cfg.log_every, eval_every=cfg.eval_every, evaluate=evaluate,
         learning_rate=lambda step: float(ops.convert_to_numpy(schedule(step - 1))),
-        log_metrics=log_metrics, journal_dir=ckpt_dir, state=state)
-    saver = CheckpointSaver(ckpt_dir, steps_per_epoch=per_epoch, total_steps=total,
-                            reporter=reporter, fingerprint=fingerprint)
+        log_metrics=log_metrics if writer else None, journal_dir=ckpt_dir if writer else None,
+        state=state)
+    callbacks: list[keras.callbacks.Callback] = [reporter]
+    if processes == 1:
+        callbacks.append(CheckpointSaver(ckpt_dir, steps_per_epoch=per_epoch, total_steps=total,
+                                         reporter=reporter, fingerprint=fingerprint))
     if start_step < total:
-        verbose = (1 if sys.stdout.isatty() else 2) if progress else 0
+        verbose = (1 if sys.stdout.isatty() else 2) if progress and writer else 0
         with warnings.catch_warnings():
             # The last epoch is shorter when checkpoint_every does not divide the budget;
             # Keras warns that the data "ran out", which is exactly the plan.
             warnings.filterwarnings("ignore", message="Your input ran out of data")
             # shuffle=False: Keras would otherwise permute a PyDataset's batch indices, and
             # index i must stay global step start_step + i (the order is shuffled per pass inside).
-            model.fit(fit_input(data), epochs=math.ceil(total / per_epoch),
+            model.fit(fit_input(data) if processes == 1
+                      else ProcessSlice(data, process_index(), processes),
+                      epochs=math.ceil(total / per_epoch),
                       steps_per_epoch=per_epoch, initial_epoch=initial_epoch,
-                      callbacks=[reporter, saver], verbose=verbose, shuffle=False)
+                      callbacks=callbacks, verbose=verbose, shuffle=False)
 
     if (not reporter.history or reporter.history[-1]["step"] != total
             or not _has_val(reporter.history[-1])):
         reporter.emit(total, evaluate())  # e.g. resumed from the final checkpoint
-    return _write_outputs(out_dir, model, export_model, reporter, total, start_step, cfg, baseline)
+    if processes > 1:  # replicas that drifted apart would be a bug: make it visible
+        log.info("process %d of %d: trained weights sha256 %s", process_index(), processes,
+                 sha256_arrays(model.get_weights()))
+    if not writer:
+        return None
+    sync_host()
+    return _write_outputs(out_dir, host, export_model, reporter, total, start_step, cfg, baseline)
+
+
+def sha256_arrays(arrays: list[np.ndarray]) -> str:
+    """One digest of arrays' shapes, dtypes and bytes, in order."""
+    digest = hashlib.sha256()
+    for a in arrays:
+        a = np.ascontiguousarray(a)
+        digest.update(f"{a.dtype.str}{a.shape}".encode())
+        digest.update(a.tobytes())
+    return digest.hexdigest()
 
 
 def _check_val_masks(val_masks, max_len: int) -> None:

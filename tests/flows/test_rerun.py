@@ -3,9 +3,11 @@ outputs."""
 
 import time
 
+import pytest
 from mlflow.tracking import MlflowClient
 
 from flows.pipeline import run_pipeline
+from selfsup_model.errors import UserError
 from selfsup_model.presets import build_config
 
 
@@ -82,3 +84,12 @@ def test_mlflow_parent_and_child_runs(folder_corpus, tmp_path, mlflow_uri):
     assert parents[1].data.tags["stage.ingest"].startswith("skipped")
     assert parents[1].data.metrics["ingest.read"] == 7
     assert all(r.info.status == "FINISHED" for r in runs)
+
+
+def test_a_pipeline_run_refuses_to_be_one_of_several_training_processes(folder_corpus, tmp_path,
+                                                                        monkeypatch):
+    monkeypatch.setenv("KERAS_DISTRIBUTION_NUM_PROCESSES", "2")
+    with pytest.raises(UserError, match="a pipeline run is one process"):
+        run_pipeline(build_config("tiny"), str(folder_corpus), workdir=str(tmp_path / "wd"),
+                     stages=["ingest"], tracking=False)
+    assert not (tmp_path / "wd").exists()  # refused before anything was written

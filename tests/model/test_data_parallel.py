@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -129,3 +130,73 @@ def test_data_parallel_fine_tuning_matches_one_device():
     assert two["grid"] == pytest.approx(one["grid"], abs=1e-5)
     assert two["rows"] == one["rows"]
     assert two["weights"] == pytest.approx(one["weights"], rel=1e-5, abs=1e-5)
+
+
+_PROCESS_CHILD = textwrap.dedent("""
+    import json, logging, os, sys
+    import numpy as np
+    from selfsup_model.config import MaskingConfig, ModelConfig, PretrainConfig
+    from selfsup_model.masking import make_static_masks
+    from selfsup_model.pretraining import pretrain
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    rng = np.random.default_rng(0)
+    windows = rng.integers(7, 40, size=(64, 16)).astype(np.int32)
+    windows[:, 0], windows[:, -1] = 2, 3
+    masks = MaskingConfig(max_predictions=4)
+    val = make_static_masks(windows[:11], masks, 40, seed=0)
+    cfg = PretrainConfig(batch_size=8, steps=6, warmup_steps=1, log_every=1, eval_every=3,
+                         checkpoint_every=3)
+    model = ModelConfig(hidden=16, layers=1, heads=2, ff=32, dropout=0.1)
+    result = pretrain(windows, val, 40, model, cfg, masks, sys.argv[1], progress=False)
+    print("RESULT", json.dumps(None if result is None else result.val_metrics["val/mlm_loss"]))
+""")
+
+
+def test_two_training_processes_on_loopback_end_with_identical_weights(tmp_path):
+    """Two processes joined through Keras' launch variables (one CPU device each) pretrain
+    together: both end with the same weights, process 0 alone writes, and its losses are the
+    one-process run's."""
+    if os.environ.get("SELFSUP_REQUIRE_JAX") != "1":
+        pytest.importorskip("jax")
+    from tests.integration.servers import free_port
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "KERAS_BACKEND": "jax", "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    alone = subprocess.run([sys.executable, "-c", _PROCESS_CHILD, str(tmp_path / "alone")],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+                           check=False)
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    address = f"127.0.0.1:{free_port()}"
+    procs = [subprocess.Popen(
+        [sys.executable, "-c", _PROCESS_CHILD, str(tmp_path / f"process{i}")], cwd=ROOT,
+        env={**env, "KERAS_DISTRIBUTION_JOB_ADDRESSES": address,
+             "KERAS_DISTRIBUTION_NUM_PROCESSES": "2", "KERAS_DISTRIBUTION_PROCESS_ID": str(i)},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in (0, 1)]
+    outs = []
+    try:
+        for proc in procs:
+            outs.append(proc.communicate(timeout=300))
+    finally:
+        for proc in procs:
+            proc.kill()
+    for proc, (_, err) in zip(procs, outs):
+        assert proc.returncode == 0, err[-3000:]
+    digests = [re.findall(r"process (\d) of 2: trained weights sha256 (\w+)", err)
+               for _, err in outs]
+    assert [d[0][0] for d in digests] == ["0", "1"]
+    assert digests[0][0][1] == digests[1][0][1]  # the replicas did not drift apart
+    assert "pretraining: data-parallel over 2 devices" in outs[0][1]
+    assert not (tmp_path / "process1").exists()  # only process 0 writes
+    assert json.loads(outs[1][0].split("RESULT ", 1)[1]) is None
+
+    def losses(wd: Path) -> list[float]:
+        history = json.loads((wd / "history.json").read_text())
+        return [e["train/mlm_loss"] for e in history if "train/mlm_loss" in e]
+
+    assert len(losses(tmp_path / "alone")) == 6
+    assert losses(tmp_path / "process0") == pytest.approx(losses(tmp_path / "alone"), abs=1e-5)
+    val = [json.loads(out.split("RESULT ", 1)[1]) for out in (outs[0][0], alone.stdout)]
+    assert val[0] == pytest.approx(val[1], abs=1e-5)
+    assert (tmp_path / "process0" / "encoder.keras").is_file()
+    assert not list((tmp_path / "process0" / "checkpoints").glob("ckpt-*.keras"))
