@@ -69,6 +69,14 @@ def join_processes() -> int:
 _JOINED: list[bool] = []
 
 
+def broadcast_decision(value: bool) -> bool:
+    """Process 0's `value`, in every training process (a collective: all must call it)."""
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    return bool(multihost_utils.broadcast_one_to_all(np.int32(value)))
+
+
 def process_count() -> int:
     """How many training processes run this computation together (1 unless joined)."""
     if keras.backend.backend() != "jax":
@@ -87,7 +95,7 @@ def process_index() -> int:
     return jax.process_index()
 
 
-def data_parallel(batch_size: int):
+def data_parallel(batch_size: int, across_processes: bool = True):
     """Keras' `DataParallel` over every device of every training process when the backend is
     JAX and there is more than one device (GPUs, host devices forced with XLA_FLAGS, or
     several processes, `join_processes`); None otherwise, or when SELFSUP_DATA_PARALLEL=off
@@ -106,6 +114,8 @@ def data_parallel(batch_size: int):
     if keras.backend.backend() != "jax" or (
             processes == 1 and os.environ.get("SELFSUP_DATA_PARALLEL") == "off"):
         return None
+    if processes > 1 and not across_processes:
+        return None  # work that process 0 does alone: on its default device
     devices = keras.distribution.list_devices()
     if len(devices) < 2:
         return None
@@ -128,10 +138,12 @@ def no_distribution() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def data_parallel_scope(batch_size: int, what: str) -> Iterator[None]:
-    """Run the block under `data_parallel(batch_size)` when it applies (models built inside
-    hold replicated weights and every batch is split over the devices); else as is."""
-    distribution = data_parallel(batch_size)
+def data_parallel_scope(batch_size: int, what: str,
+                        across_processes: bool = True) -> Iterator[None]:
+    """Run the block under `data_parallel(batch_size, across_processes)` when it applies (models
+    built inside hold replicated weights and every batch is split over the devices); else as
+    is."""
+    distribution = data_parallel(batch_size, across_processes)
     if distribution is None:
         yield
         return

@@ -170,7 +170,8 @@ def train_neural_methods(data: LabelledData, methods: Sequence[NeuralMethod], cf
     Under JAX with several local devices every run is data-parallel
     (`devices.data_parallel_scope`).
     """
-    with data_parallel_scope(cfg.batch_size, "fine-tuning"):
+    # With several training processes (pretraining's), process 0 fine-tunes alone.
+    with data_parallel_scope(cfg.batch_size, "fine-tuning", across_processes=False):
         return _train_neural_methods(data, methods, cfg)
 
 
@@ -234,7 +235,7 @@ def frozen_probe(name: str, data: LabelledData, backbone_factory: BackboneFactor
     mode, standardised on each training subset), C tuned on validation; also the fit at the
     largest fraction."""
     t0 = time.perf_counter()
-    with data_parallel_scope(cfg.eval_batch_size, "frozen features"):
+    with data_parallel_scope(cfg.eval_batch_size, "frozen features", across_processes=False):
         backbone = backbone_factory()
         features = {split: frozen_features(backbone, data.splits[split].windows, cfg.pooling,
                                            cfg.eval_batch_size) for split in SPLITS}

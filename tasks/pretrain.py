@@ -9,23 +9,20 @@ import numpy as np
 
 from selfsup_model.artifacts import sha256_file
 from selfsup_model.continued import resolve_init_source
+from selfsup_model.devices import broadcast_decision, process_count
 from selfsup_model.masking import load_masks
 from selfsup_model.pretraining import pretrain
 from selfsup_model.tokenization import load_tokenizer
+from tasks.registry import PIPELINE
 from tasks.stage import RunContext, StageOutput
 
 OUTPUTS = ["encoder.keras", "pretrain_model.keras", "history.json", "loss_curve.png"]
 
 
 def compute(ctx: RunContext, out: Path, inputs: dict[str, Path]) -> StageOutput:
-    vocab_size = load_tokenizer(inputs["tokenizer/tokenizer.json"]).get_vocab_size()
-    windows = np.load(inputs["encode/train_windows.npy"], mmap_mode="r", allow_pickle=False)
-    val_masks = load_masks(inputs["masks/val_masks.npz"])
-    cfg = ctx.config
-    init = resolve_init_source(cfg.pretrain.init_from) if cfg.pretrain.init_from else None
-    result = pretrain(windows, val_masks, vocab_size, cfg.model, cfg.pretrain, cfg.masks, out,
-                      log_metrics=ctx.metric_logger(), init=init,
-                      tokenizer_sha256=sha256_file(inputs["tokenizer/tokenizer.json"]))
+    if process_count() > 1:
+        broadcast_decision(True)  # the other training processes join in (`follow`)
+    result, windows, init = _pretrain(ctx, out, inputs)
     counts = {"steps": result.steps, "tokens_seen": result.tokens_seen,
               "real_tokens_seen": result.real_tokens_seen,
               "scored_tokens": int(result.scored_tokens), "empty_batches": result.empty_batches,
@@ -35,4 +32,31 @@ def compute(ctx: RunContext, out: Path, inputs: dict[str, Path]) -> StageOutput:
                "train/tokens_per_s": result.tokens_per_s,
                "train/real_tokens_per_s": result.real_tokens_per_s}
     return StageOutput(OUTPUTS, counts, metrics, log_artifacts=["history.json", "loss_curve.png"])
+
+
+def _pretrain(ctx: RunContext, out: Path, inputs: dict[str, Path]):
+    vocab_size = load_tokenizer(inputs["tokenizer/tokenizer.json"]).get_vocab_size()
+    windows = np.load(inputs["encode/train_windows.npy"], mmap_mode="r", allow_pickle=False)
+    val_masks = load_masks(inputs["masks/val_masks.npz"])
+    cfg = ctx.config
+    init = resolve_init_source(cfg.pretrain.init_from) if cfg.pretrain.init_from else None
+    result = pretrain(windows, val_masks, vocab_size, cfg.model, cfg.pretrain, cfg.masks, out,
+                      log_metrics=ctx.metric_logger(), init=init,
+                      tokenizer_sha256=sha256_file(inputs["tokenizer/tokenizer.json"]))
+    return result, windows, init
+
+
+def follow(ctx: RunContext) -> bool:
+    """A training process other than 0: wait for process 0's word, then pretrain with it on
+    the inputs it wrote (a shared workdir), writing nothing. False when it skipped pretraining."""
+    if not broadcast_decision(False):
+        return False
+    spec = next(s for s in PIPELINE if s.name == "pretrain")
+    _pretrain(ctx, ctx.stage_dir("pretrain"), {k: ctx.artifact(k) for k in spec.inputs})
+    return True
+
+
+def skipped() -> None:
+    """Process 0 tells the others that this run does not pretrain."""
+    broadcast_decision(False)
 

@@ -86,10 +86,9 @@ def test_mlflow_parent_and_child_runs(folder_corpus, tmp_path, mlflow_uri):
     assert all(r.info.status == "FINISHED" for r in runs)
 
 
-def test_a_pipeline_run_refuses_to_be_one_of_several_training_processes(folder_corpus, tmp_path,
-                                                                        monkeypatch):
+def test_several_training_processes_need_jax(folder_corpus, tmp_path, monkeypatch):
     monkeypatch.setenv("KERAS_DISTRIBUTION_NUM_PROCESSES", "2")
-    with pytest.raises(UserError, match="a pipeline run is one process"):
+    with pytest.raises(UserError, match="need KERAS_BACKEND=jax"):
         run_pipeline(build_config("tiny"), str(folder_corpus), workdir=str(tmp_path / "wd"),
                      stages=["ingest"], tracking=False)
     assert not (tmp_path / "wd").exists()  # refused before anything was written
