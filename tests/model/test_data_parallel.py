@@ -23,12 +23,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-_CHILD = textwrap.dedent("""
+# A tiny pretraining problem; `model` has the dropout given by DROPOUT.
+_PRETRAIN_SETUP = textwrap.dedent("""
     import json, logging, os, sys, tempfile
     import numpy as np
     from selfsup_model.config import MaskingConfig, ModelConfig, PretrainConfig
-    from selfsup_model.devices import data_parallel
-    from selfsup_model.errors import UserError
     from selfsup_model.masking import make_static_masks
     from selfsup_model.pretraining import pretrain
 
@@ -40,7 +39,13 @@ _CHILD = textwrap.dedent("""
     val = make_static_masks(windows[:11], masks, 40, seed=0)  # 11: an uneven last batch
     cfg = PretrainConfig(batch_size=8, steps=6, warmup_steps=1, log_every=1, eval_every=3,
                          checkpoint_every=3)
-    model = ModelConfig(hidden=16, layers=1, heads=2, ff=32, dropout=0.0)
+    model = ModelConfig(hidden=16, layers=1, heads=2, ff=32, dropout=DROPOUT)
+""")
+
+_CHILD = _PRETRAIN_SETUP.replace("DROPOUT", "0.0") + textwrap.dedent("""
+    from selfsup_model.devices import data_parallel
+    from selfsup_model.errors import UserError
+
     out = {}
     for mode in ("off", "auto"):
         os.environ["SELFSUP_DATA_PARALLEL"] = mode
@@ -132,22 +137,7 @@ def test_data_parallel_fine_tuning_matches_one_device():
     assert two["weights"] == pytest.approx(one["weights"], rel=1e-5, abs=1e-5)
 
 
-_PROCESS_CHILD = textwrap.dedent("""
-    import json, logging, os, sys
-    import numpy as np
-    from selfsup_model.config import MaskingConfig, ModelConfig, PretrainConfig
-    from selfsup_model.masking import make_static_masks
-    from selfsup_model.pretraining import pretrain
-
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-    rng = np.random.default_rng(0)
-    windows = rng.integers(7, 40, size=(64, 16)).astype(np.int32)
-    windows[:, 0], windows[:, -1] = 2, 3
-    masks = MaskingConfig(max_predictions=4)
-    val = make_static_masks(windows[:11], masks, 40, seed=0)
-    cfg = PretrainConfig(batch_size=8, steps=6, warmup_steps=1, log_every=1, eval_every=3,
-                         checkpoint_every=3)
-    model = ModelConfig(hidden=16, layers=1, heads=2, ff=32, dropout=0.1)
+_PROCESS_CHILD = _PRETRAIN_SETUP.replace("DROPOUT", "0.1") + textwrap.dedent("""
     result = pretrain(windows, val, 40, model, cfg, masks, sys.argv[1], progress=False)
     print("RESULT", json.dumps(None if result is None else result.val_metrics["val/mlm_loss"]))
 """)
