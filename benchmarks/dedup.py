@@ -38,7 +38,7 @@ import tracemalloc
 import numpy as np
 import pandas as pd
 from datasketch import MinHash, MinHashLSH
-from output import emit
+from output import run_cli
 
 from selfsup_model.config import DEFAULT_PYDOCS_LIBRARIES, DedupConfig
 from selfsup_model.dedup import find_duplicates
@@ -236,10 +236,7 @@ def main() -> None:
         "--max-edit", type=float, default=0.12, help="max per-word edit rate of a near copy"
     )
     parser.add_argument("--libraries", nargs="+", default=list(DEFAULT_PYDOCS_LIBRARIES))
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", help="also write the results as JSON here")
-    args = parser.parse_args()
-    emit(run(args), args.out)
+    run_cli(parser, run)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-from output import emit
+from output import run_cli
 
 from flows.executors import Sharding, open_fan_out, prefect_api_url
 from selfsup_model.config import DedupConfig
@@ -131,10 +131,7 @@ def main() -> None:
     parser.add_argument("--shards", type=int, default=None,
                         help="[default: one per worker]")
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", help="also write the results as JSON here")
-    args = parser.parse_args()
-    emit(run(args), args.out)
+    run_cli(parser, run)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ import sys
 import time
 
 import numpy as np
-from output import emit
+from output import run_cli
 from scipy import sparse
 from sklearn.feature_extraction.text import CountVectorizer
 from templated import templated_corpus
@@ -176,7 +176,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--docs", type=int, default=60_000)
     parser.add_argument("--templates", type=int, default=1000)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", action="store_true", help="cProfile assign_splits")
     parser.add_argument(
         "--outside-queries",
@@ -184,9 +183,7 @@ def main() -> None:
         default=0,
         help="val/test documents the outside check compares with all of train (0: every one)",
     )
-    parser.add_argument("--out", help="also write the results as JSON here")
-    args = parser.parse_args()
-    emit(run(args), args.out)
+    run_cli(parser, run)
 
 
 if __name__ == "__main__":

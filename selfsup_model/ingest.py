@@ -284,8 +284,9 @@ def stage_data(values: list[bytes | str | None], bounds: list[tuple[int, int]],
 
 @dataclasses.dataclass(frozen=True)
 class JudgedShard:
-    """One shard's verdicts in record order; kept texts are in `texts`, or in the parquet
-    file `spill` when the shard ran elsewhere (texts never travel through a scheduler)."""
+    """One shard's verdicts in record order. The normalised text of each record (None when
+    rejected) is in `texts`, or in the parquet file `spill` when the shard ran elsewhere
+    (texts never travel through a scheduler)."""
 
     reasons: list[str | None]
     details: list[str]
@@ -293,7 +294,8 @@ class JudgedShard:
     texts: list[str | None] | None
     spill: str | None
 
-    def kept_texts(self) -> list[str | None]:
+    def texts_in_order(self) -> list[str | None]:
+        """One normalised text or None per record, in record order."""
         if self.texts is not None:
             return self.texts
         import pyarrow.parquet as pq
@@ -359,7 +361,7 @@ def ingest_records(
                  for i, part in enumerate(parts)]
         judged = fan_out.run("ingest", lambda mapper: mapper("ingest-judge", judge_shard, items,
                                                              progress))
-        texts = [t for shard in judged for t in shard.kept_texts()]
+        texts = [t for shard in judged for t in shard.texts_in_order()]
     reasons = [r for shard in judged for r in shard.reasons]
     details = [d for shard in judged for d in shard.details]
     digests = np.concatenate([s.digests for s in judged]) if judged else np.zeros(0, "V16")
