@@ -170,7 +170,8 @@ def train_neural_methods(data: LabelledData, methods: Sequence[NeuralMethod], cf
     Under JAX with several local devices every run is data-parallel
     (`devices.data_parallel_scope`).
     """
-    # With several training processes (pretraining's), process 0 fine-tunes alone.
+    # With several training processes (pretraining's), process 0 fine-tunes alone, on its
+    # default device.
     with data_parallel_scope(cfg.batch_size, "fine-tuning", across_processes=False):
         return _train_neural_methods(data, methods, cfg)
 
