@@ -15,11 +15,11 @@ from flows.predict import label_counts_markdown, run_predict
 from flows.settings import RunSettings, changed_keys, read_settings, write_settings
 from flows.tracking import PipelineTracking, Tracker, default_tracking_uri, flatten
 from selfsup_model.config import DEFAULT_WORKDIR, CorpusFormat, PipelineConfig
-from selfsup_model.devices import broadcast_decision, join_processes, process_index
+from selfsup_model.devices import join_processes, process_index
 from selfsup_model.errors import UserError
 from selfsup_model.presets import build_config, deep_merge, parse_override, validate_config
 from selfsup_model.scoring import write_predictions
-from tasks import pretrain as pretrain_stage
+from tasks import joined
 from tasks.registry import STAGE_NAMES, select_stages, stage_tasks, stages_shaped_by
 from tasks.stage import RunContext, StageResult
 
@@ -61,7 +61,7 @@ def run_pipeline(
     # Several training processes (Keras' launch variables) join before any JAX computation.
     processes = join_processes()
     if processes > 1 and process_index() > 0:
-        return _follow(config, str(corpus), corpus_format, Path(workdir), stages, force)
+        return _follow(config, str(corpus), corpus_format, Path(workdir), force)
     unknown = [f for f in force if f not in STAGE_NAMES]
     if unknown:
         raise UserError(f"unknown stage(s) for --force: {', '.join(unknown)}; "
@@ -91,33 +91,26 @@ def run_pipeline(
         try:
             for name in stages:
                 results.append(tasks[name](ctx))
-                if name == "pretrain" and processes > 1 and results[-1].status != "ran":
-                    pretrain_stage.skipped()  # the other processes stop waiting
         except BaseException:
             if tracker:
                 tracker.end_run(parent, "FAILED")
             raise
         if tracker:
             tracker.end_run(parent, "FINISHED")
-        if processes > 1:
-            broadcast_decision(True)  # the run is over: the other processes may exit
+        joined.release()  # other training processes, if any, may exit
         return results
 
 
 def _follow(config: PipelineConfig, corpus: str, corpus_format: CorpusFormat, workdir: Path,
-            stages: list[str], force: list[str] | tuple[str, ...]) -> list[StageResult]:
-    """Training process k > 0 of a run: no lock, no tracking, no files. It waits for process 0
-    (the run itself) to reach pretraining and takes its share of every batch there, then
-    waits for the run to end (processes leave the group together)."""
-    if "pretrain" in stages:
-        log.info("process %d: waiting for process 0 to start pretraining", process_index())
-        ctx = RunContext(workdir=workdir, config=config, corpus=corpus,
-                         corpus_format=corpus_format, force=frozenset(force))
-        joined = pretrain_stage.follow(ctx)
-        log.info("process %d: %s", process_index(),
-                 "pretrained with process 0" if joined else "process 0 skipped pretraining")
-    log.info("process %d: waiting for process 0 to finish the run", process_index())
-    broadcast_decision(False)
+            force: list[str] | tuple[str, ...]) -> list[StageResult]:
+    """Training process k > 0 of a run: no lock, no tracking, no files. It joins process 0
+    (the run itself) in the work they share, pretraining and the neural classifiers, taking
+    its share of every batch, until the run ends (processes leave the group together)."""
+    ctx = RunContext(workdir=workdir, config=config, corpus=corpus,
+                     corpus_format=corpus_format, force=frozenset(force))
+    done = joined.serve(ctx)
+    log.info("process %d: the run is over; joined process 0 in %s", process_index(),
+             ", ".join(done) or "nothing")
     return []
 
 

@@ -103,6 +103,18 @@ def sha256_file(path: str | os.PathLike) -> str:
     return digest.hexdigest()
 
 
+def sha256_arrays(arrays: list[Any]) -> str:
+    """One digest of arrays' shapes, dtypes and bytes, in order."""
+    import numpy as np
+
+    digest = hashlib.sha256()
+    for a in arrays:
+        a = np.ascontiguousarray(a)
+        digest.update(f"{a.dtype.str}{a.shape}".encode())
+        digest.update(a.tobytes())
+    return digest.hexdigest()
+
+
 def sha256_json(obj: Any) -> str:
     """Stable hash of a JSON-able object (sorted keys), for parameter fingerprints."""
     blob = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=_json_default)

@@ -69,12 +69,40 @@ def join_processes() -> int:
 _JOINED: list[bool] = []
 
 
-def broadcast_decision(value: bool) -> bool:
+def broadcast_int(value: int) -> int:
     """Process 0's `value`, in every training process (a collective: all must call it)."""
     import numpy as np
     from jax.experimental import multihost_utils
 
-    return bool(multihost_utils.broadcast_one_to_all(np.int32(value)))
+    return int(multihost_utils.broadcast_one_to_all(np.int32(value)))
+
+
+def broadcast_decision(value: bool) -> bool:
+    """Process 0's yes or no, in every training process (a collective: all must call it)."""
+    return bool(broadcast_int(int(value)))
+
+
+def agreed(value: bool) -> bool:
+    """`value` where one process trains; with several, process 0's, so that every process
+    takes the same branch (a collective then: all must call it)."""
+    return broadcast_decision(value) if process_count() > 1 else value
+
+
+def local_share(batch, axis: int = 0):
+    """This process's contiguous share of a global batch along `axis` (all of it in one
+    process). Keras assembles the global batch from the processes' shares in process order,
+    so the shares of processes 0..n-1 side by side are the batch itself."""
+    count = process_count()
+    if count == 1:
+        return batch
+    from selfsup_model.errors import UserError
+
+    size = batch.shape[axis]
+    if size % count:
+        raise UserError(f"a batch of {size} rows does not divide over {count} training "
+                        "processes; choose a batch size that does")
+    rows, index = size // count, process_index()
+    return batch[(slice(None),) * axis + (slice(index * rows, (index + 1) * rows),)]
 
 
 def process_count() -> int:
@@ -124,6 +152,13 @@ def data_parallel(batch_size: int, across_processes: bool = True):
                         f"({', '.join(devices)}); choose a multiple of {len(devices)}, or set "
                         "SELFSUP_DATA_PARALLEL=off to train on one")
     return keras.distribution.DataParallel(devices=devices, auto_shard_dataset=processes == 1)
+
+
+def process_local():
+    """A context in which models built live on this process's own device when several
+    processes train together: whole copies that each process can run and save alone. With one
+    process, nothing changes."""
+    return no_distribution() if process_count() > 1 else contextlib.nullcontext()
 
 
 @contextlib.contextmanager

@@ -37,7 +37,15 @@ from selfsup_model.classify import (
     predict_classes,
 )
 from selfsup_model.config import FinetuneConfig
-from selfsup_model.devices import resolve_jit, xla_dropout_warning
+from selfsup_model.devices import (
+    agreed,
+    local_share,
+    no_distribution,
+    process_count,
+    process_local,
+    resolve_jit,
+    xla_dropout_warning,
+)
 from selfsup_model.errors import UserError
 from selfsup_model.features import feature_extractor, predict_in_batches
 from selfsup_model.metrics import macro_f1
@@ -111,14 +119,16 @@ def train_classifier(backbone_factory: Callable[[], keras.Model],
     train_ids, train_y = _check_split("train", train, num_classes)
     val_ids, val_y = _check_split("val", val, num_classes)
     keras.utils.set_random_seed(seed)
-    # scratch: the same architecture (causal too) with freshly initialised weights.
-    backbone = with_dropout(backbone_factory(), cfg.encoder_dropout,
-                            keep_weights=mode != "scratch")
+    # The run's own model: its initial weights (and dropout seeds), then the selected ones;
+    # with several training processes each holds a whole copy on its own device.
+    with process_local():
+        # scratch: the same architecture (causal too) with freshly initialised weights.
+        backbone = with_dropout(backbone_factory(), cfg.encoder_dropout,
+                                keep_weights=mode != "scratch")
+        model = build_classifier(backbone, num_classes, cfg.pooling, cfg.dropout)
     for name, ids in (("train", train_ids), ("val", val_ids), *(eval_sets or {}).items()):
         check_encoder_length(name, ids, backbone)
     train_ids, val_ids = encoder_inputs(backbone, train_ids), encoder_inputs(backbone, val_ids)
-    # The run's own model: its initial weights (and dropout seeds), then the selected ones.
-    model = build_classifier(backbone, num_classes, cfg.pooling, cfg.dropout)
     budget = update_budget(len(train_y), cfg)
     run = ClassifierRun(model, backbone, (train_ids, train_y), (val_ids, val_y), cfg,
                         np.random.default_rng(seed), eval_every=math.ceil(budget / cfg.evals),
@@ -153,10 +163,15 @@ class StageTrainers:
     dropout seeds, in at the start of a stage and out at the end, and the optimizer
     restarts from zero, so what a run learns does not depend on the runs before it.
     Frozen features for the head stage are computed once per set of windows.
+
+    With several training processes the trainers' weights span every process's devices,
+    which no one process can run inference on: each process predicts through its own copy
+    of a trainer (`predict`), synced from it, and computes features on the run's own copy.
     """
 
     def __init__(self) -> None:
         self._models: dict[str, keras.Model] = {}
+        self._local: dict[str, keras.Model] = {}
         self._features: dict[tuple[str, tuple[int, ...]], np.ndarray] = {}
 
     def trainer(self, kind: str, model: keras.Model, cfg: FinetuneConfig) -> keras.Model:
@@ -176,14 +191,28 @@ class StageTrainers:
             self._models[kind] = trainer
         return self._models[kind]
 
+    def predict(self, kind: str, trainer: keras.Model, ids: np.ndarray,
+                cfg: FinetuneConfig) -> np.ndarray:
+        """Class ids of `ids` from the current weights of `kind`'s trainer."""
+        if process_count() == 1:
+            return predict_classes(trainer, ids, cfg.eval_batch_size)
+        if kind not in self._local:
+            with no_distribution():  # built alike, uncompiled: inference only
+                self._local[kind] = keras.Model.from_config(trainer.get_config())
+        local = self._local[kind]
+        local.set_weights(trainer.get_weights())  # each process reads its own replica
+        with no_distribution():
+            return predict_classes(local, ids, cfg.eval_batch_size)
+
     def features(self, model: keras.Model, ids: np.ndarray, cfg: FinetuneConfig) -> np.ndarray:
-        """Pooled features of the frozen encoder of `model` for `ids`, cached by content: the
-        head stage always starts from the same encoder weights."""
+        """Pooled features of the frozen encoder of `model` (the run's own) for `ids`, cached
+        by content: the head stage always starts from the same encoder weights."""
         key = (hashlib.blake2b(np.ascontiguousarray(ids).tobytes(), digest_size=16).hexdigest(),
                ids.shape)
         if key not in self._features:
-            extractor = feature_extractor(_backbone_of(model), cfg.pooling)
-            self._features[key] = predict_in_batches(extractor, ids, cfg.eval_batch_size)
+            with process_local():
+                extractor = feature_extractor(_backbone_of(model), cfg.pooling)
+                self._features[key] = predict_in_batches(extractor, ids, cfg.eval_batch_size)
         return self._features[key]
 
 
@@ -222,14 +251,13 @@ class ClassifierRun:
         """Class ids from the run's current weights (through the compiled ``all`` trainer)."""
         trainer = self.trainers.trainer("all", self.model, self.cfg)
         copy_state(self.model, trainer)
-        return predict_classes(trainer, ids, self.cfg.eval_batch_size)
+        return self.trainers.predict("all", trainer, ids, self.cfg)
 
     def restore_best(self) -> None:
         if self.best_weights is not None:
             self.model.set_weights(self.best_weights)
 
     def train_stage(self, stage: Stage) -> None:
-        before = self.best_f1
         trainer = self.trainers.trainer(stage.name, self.model, self.cfg)
         if stage.name == "head":
             x_train = self.trainers.features(self.model, self.train_ids, self.cfg)
@@ -240,27 +268,31 @@ class ClassifierRun:
             copy_state(self.model, trainer)
         warmup = round(self.cfg.warmup_fraction * stage.updates)
         trainer.optimizer.restart(stage.learning_rate, warmup, stage.updates)
-        order = self._batches(stage.updates)  # (updates, B) indices into the training subset
-        waited, stage_best = 0, -1.0
+        # (updates, B) indices into the training subset; with several training processes each
+        # feeds its share of every batch (`devices.local_share`).
+        order = local_share(self._batches(stage.updates), axis=1)
+        waited, stage_best, kept = 0, -1.0, False
         for lo in range(0, stage.updates, self.eval_every):
-            idx = order[lo : lo + self.eval_every].reshape(-1)
-            trainer.fit(x_train[idx], self.train_y[idx], batch_size=self.cfg.batch_size, epochs=1,
+            rows = order[lo : lo + self.eval_every]
+            idx = rows.reshape(-1)
+            trainer.fit(x_train[idx], self.train_y[idx], batch_size=rows.shape[1], epochs=1,
                         shuffle=False, verbose=0)
-            self.updates += len(idx) // self.cfg.batch_size
-            val_pred = predict_classes(trainer, x_val, self.cfg.eval_batch_size)
+            self.updates += len(rows)
+            val_pred = self.trainers.predict(stage.name, trainer, x_val, self.cfg)
             f1 = macro_f1(self.val_y, val_pred)
             self.history.append({"stage": stage.name, "update": self.updates, "val_macro_f1": f1})
             stage_best = max(stage_best, f1)
-            if f1 > self.best_f1:  # strict: a tie keeps the earlier, cheaper weights
+            # strict: a tie keeps the earlier, cheaper weights. Every process takes process 0's
+            # branch, so all train the same updates.
+            if agreed(f1 > self.best_f1):
                 self._hand_back(stage.name, trainer)
                 self.best_f1, self.best_update, self.best_val_pred = f1, self.updates, val_pred
                 self.best_weights = self.model.get_weights()
-                waited = 0
+                waited, kept = 0, True  # the stage raised validation macro-F1
             else:
                 waited += 1
                 if waited >= self.cfg.patience:
                     break
-        kept = self.best_f1 > before
         if kept:  # continue from where the stage ended
             self._hand_back(stage.name, trainer)
         else:  # validation says this stage did not help: continue from the weights before it
@@ -315,8 +347,13 @@ def _copy_head(source: keras.Model, target: keras.Model) -> None:
 
 def _assign_copy(target, source) -> None:
     """`target` takes a copy of `source`'s value, never its buffer: under JAX a compiled train
-    step donates (frees) its variables' buffers, which would free the other model's too."""
-    target.assign(keras.ops.copy(source.value))
+    step donates (frees) its variables' buffers, which would free the other model's too. With
+    several training processes a trainer's value spans them all; each process copies its own
+    replica."""
+    value = source.value
+    if process_count() > 1:
+        value = keras.ops.convert_to_numpy(value)
+    target.assign(keras.ops.copy(value))
 
 
 def _set_trainable(backbone: keras.Model, kind: str, top_blocks: int) -> None:

@@ -33,6 +33,7 @@ import keras
 import numpy as np
 
 from selfsup_model.config import MaskingConfig, PretrainConfig
+from selfsup_model.devices import local_share
 from selfsup_model.errors import UserError
 from selfsup_model.masking import mask_tokens
 from selfsup_model.specials import NUM_SPECIAL, PAD_ID
@@ -264,25 +265,15 @@ def fit_input(data: PretrainBatches):
 
 
 class ProcessSlice(keras.utils.PyDataset):
-    """Process `index` of `count`'s rows of every global batch of `data`: with several training
-    processes each feeds its own contiguous slice, and together they are the global batch
-    (Keras places process p's rows after those of processes 0..p-1)."""
+    """This training process's share of every global batch of `data` (`devices.local_share`):
+    together the processes' shares are the global batch."""
 
-    def __init__(self, data: PretrainBatches, index: int, count: int):
+    def __init__(self, data: PretrainBatches):
         super().__init__()
-        self.data, self.index, self.count = data, index, count
+        self.data = data
 
     def __len__(self) -> int:
         return len(self.data)
 
     def __getitem__(self, i: int):
-        batch = self.data[i]
-
-        def part(a: np.ndarray) -> np.ndarray:
-            if len(a) % self.count:
-                raise UserError(f"a batch of {len(a)} rows does not divide over {self.count} "
-                                "processes; choose a pretrain.batch_size that does")
-            rows = len(a) // self.count
-            return a[self.index * rows:(self.index + 1) * rows]
-
-        return keras.tree.map_structure(part, batch)
+        return keras.tree.map_structure(local_share, self.data[i])

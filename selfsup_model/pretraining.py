@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import logging
 import math
 import sys
@@ -23,7 +22,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from selfsup_model.artifacts import atomic_write_json, save_keras_atomic, sha256_json
+from selfsup_model.artifacts import atomic_write_json, save_keras_atomic, sha256_arrays, sha256_json
 from selfsup_model.config import MaskingConfig, ModelConfig, PretrainConfig
 from selfsup_model.continued import InitSource, check_compatible
 from selfsup_model.devices import (
@@ -195,8 +194,7 @@ def _pretrain(train_windows, val_masks, vocab_size: int, model_cfg: ModelConfig,
             warnings.filterwarnings("ignore", message="Your input ran out of data")
             # shuffle=False: Keras would otherwise permute a PyDataset's batch indices, and
             # index i must stay global step start_step + i (the order is shuffled per pass inside).
-            model.fit(fit_input(data) if processes == 1
-                      else ProcessSlice(data, process_index(), processes),
+            model.fit(fit_input(data) if processes == 1 else ProcessSlice(data),
                       epochs=math.ceil(total / per_epoch),
                       steps_per_epoch=per_epoch, initial_epoch=initial_epoch,
                       callbacks=callbacks, verbose=verbose, shuffle=False)
@@ -211,16 +209,6 @@ def _pretrain(train_windows, val_masks, vocab_size: int, model_cfg: ModelConfig,
         return None
     sync_host()
     return _write_outputs(out_dir, host, export_model, reporter, total, start_step, cfg, baseline)
-
-
-def sha256_arrays(arrays: list[np.ndarray]) -> str:
-    """One digest of arrays' shapes, dtypes and bytes, in order."""
-    digest = hashlib.sha256()
-    for a in arrays:
-        a = np.ascontiguousarray(a)
-        digest.update(f"{a.dtype.str}{a.shape}".encode())
-        digest.update(a.tobytes())
-    return digest.hexdigest()
 
 
 def _check_val_masks(val_masks, max_len: int) -> None:

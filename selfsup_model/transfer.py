@@ -19,11 +19,11 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from selfsup_model.artifacts import atomic_write_json, atomic_write_parquet
+from selfsup_model.artifacts import atomic_write_json, atomic_write_parquet, sha256_arrays
 from selfsup_model.baselines import logreg_on_features, majority_class, tfidf_logreg
 from selfsup_model.classify import stratified_subset
 from selfsup_model.config import BaselineConfig, FinetuneConfig
-from selfsup_model.devices import data_parallel_scope
+from selfsup_model.devices import data_parallel_scope, process_count, process_index
 from selfsup_model.features import frozen_features
 from selfsup_model.finetuning import (
     ClassifierResult,
@@ -167,13 +167,18 @@ def train_neural_methods(data: LabelledData, methods: Sequence[NeuralMethod], cf
     training seed, each learning rate of the grid; the rate, then the seed, chosen on validation.
 
     Returns the results and, per method, its selected classifier at the largest fraction.
-    Under JAX with several local devices every run is data-parallel
-    (`devices.data_parallel_scope`).
+    Under JAX with several devices every run is data-parallel (`devices.data_parallel_scope`).
+    Several training processes each call this with the same arguments and train together,
+    each feeding its share of every batch; every process predicts with its own copy of the
+    weights and takes process 0's early-stopping decisions, so all end with the same results.
     """
-    # With several training processes (pretraining's), process 0 fine-tunes alone, on its
-    # default device.
-    with data_parallel_scope(cfg.batch_size, "fine-tuning", across_processes=False):
-        return _train_neural_methods(data, methods, cfg)
+    with data_parallel_scope(cfg.batch_size, "fine-tuning"):
+        results, kept = _train_neural_methods(data, methods, cfg)
+    if process_count() > 1:  # replicas that drifted apart would be a bug: make it visible
+        for name, res in kept.items():
+            log.info("process %d of %d: %s selected weights sha256 %s", process_index(),
+                     process_count(), name, sha256_arrays(res.model.get_weights()))
+    return results, kept
 
 
 def _train_neural_methods(data: LabelledData, methods: Sequence[NeuralMethod],

@@ -16,6 +16,7 @@ from selfsup_model.tokenization import load_tokenizer
 from selfsup_model.transfer import (
     LabelledData,
     MethodResults,
+    NeuralMethod,
     features_probe,
     load_labelled,
     scratch_baselines,
@@ -24,6 +25,7 @@ from selfsup_model.transfer import (
     train_neural_methods,
     write_method_results,
 )
+from tasks.joined import invite
 from tasks.stage import RunContext, StageOutput, progress_logger
 
 log = logging.getLogger("selfsup.baseline")
@@ -66,13 +68,8 @@ def compute(ctx: RunContext, out: Path, inputs: dict[str, Path]) -> StageOutput:
     texts = (pd.read_parquet(inputs["ingest/documents.parquet"], columns=["id", "text"])
              .set_index("id")["text"])
     results = text_baselines(data, texts, cfg.baseline, cfg.finetune)
-    vocab = load_tokenizer(inputs["tokenizer/tokenizer.json"]).get_vocab_size()
-    causal = cfg.pretrain.objective == "clm"  # exactly the pretrained architecture, causal too
-
-    def random_init():
-        return build_backbone(vocab, data.window_len, cfg.model, causal=causal)
-
-    methods = scratch_baselines(vocab, data.window_len, random_init, cfg.baseline)
+    invite("baseline")  # other training processes, if any, join in (`follow`)
+    methods = _neural_methods(ctx, data, inputs["tokenizer/tokenizer.json"])
     results.extend(train_neural_methods(data, methods, cfg.finetune)[0])
     sentence, unavailable = sentence_baseline(data, texts, ctx)
     results.extend(sentence)
@@ -81,3 +78,27 @@ def compute(ctx: RunContext, out: Path, inputs: dict[str, Path]) -> StageOutput:
                                "unavailable_methods": len(unavailable)},
                        summary_metrics(results.summaries))
 
+
+
+def _neural_methods(ctx: RunContext, data: LabelledData,
+                    tokenizer_path: Path) -> list[NeuralMethod]:
+    """random_init (exactly the pretrained architecture, causal too) and the bag of
+    embeddings."""
+    cfg = ctx.config
+    vocab = load_tokenizer(tokenizer_path).get_vocab_size()
+    causal = cfg.pretrain.objective == "clm"
+
+    def random_init():
+        return build_backbone(vocab, data.window_len, cfg.model, causal=causal)
+
+    return scratch_baselines(vocab, data.window_len, random_init, cfg.baseline)
+
+
+def follow(ctx: RunContext) -> None:
+    """A training process other than 0, invited by process 0: train the neural baselines with
+    it (a shared workdir), writing nothing."""
+    cfg = ctx.config
+    data = load_labelled(ctx.stage_dir("encode"), cfg.finetune.max_len)
+    assert data is not None  # process 0 invites only when there is something to classify
+    methods = _neural_methods(ctx, data, ctx.artifact("tokenizer/tokenizer.json"))
+    train_neural_methods(data, methods, cfg.finetune)

@@ -4,8 +4,10 @@ with staged unfreezing, at several label fractions; hands over the one best on v
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
+from selfsup_model.config import FinetuneConfig
 from selfsup_model.inference import (
     KeptCandidate,
     choose_kept,
@@ -23,6 +25,7 @@ from selfsup_model.transfer import (
     train_neural_methods,
     write_method_results,
 )
+from tasks.joined import invite
 from tasks.stage import RunContext, StageOutput
 
 
@@ -33,11 +36,7 @@ def compute(ctx: RunContext, out: Path, inputs: dict[str, Path]) -> StageOutput:
         reason = "the corpus has fewer than two labels in the training split"
         files = write_method_results(out, MethodResults(), skipped=reason)
         return StageOutput(files + write_no_classifier(out, reason), {"skipped": 1, "runs": 0})
-    encoder_path = inputs["pretrain/encoder.keras"]
-
-    def pretrained():  # a fresh copy per run: fine-tuning changes the weights it is given
-        return load_keras_model(encoder_path)  # safe_mode=True
-
+    pretrained = _pretrained(inputs["pretrain/encoder.keras"])
     largest = max(cfg.fractions)
     candidates = []
     results = MethodResults()
@@ -48,9 +47,8 @@ def compute(ctx: RunContext, out: Path, inputs: dict[str, Path]) -> StageOutput:
                 "pretrained_probe", largest, fit.val_macro_f1, {},
                 lambda: probe_classifier(pretrained(), cfg.pooling, fit.model, fit.mean,
                                          fit.scale, data.classes)))
-    methods = [NeuralMethod(f"pretrained_{mode}", mode, pretrained) for mode in cfg.modes
-               if mode != "probe"]
-    trained, kept = train_neural_methods(data, methods, cfg)
+    invite("finetune")  # other training processes, if any, join in (`follow`)
+    trained, kept = train_neural_methods(data, _methods(cfg, pretrained), cfg)
     results.extend(trained)
     for name, res in kept.items():
         candidates.append(KeptCandidate(name, largest, res.val_macro_f1, {},
@@ -72,3 +70,25 @@ def compute(ctx: RunContext, out: Path, inputs: dict[str, Path]) -> StageOutput:
     else:
         files += write_no_classifier(out, "no method of the pretrained encoder ran")
     return StageOutput(files, counts, metrics)
+
+
+def _pretrained(encoder_path: Path) -> Callable[[], object]:
+    def load():  # a fresh copy per run: fine-tuning changes the weights it is given
+        return load_keras_model(encoder_path)  # safe_mode=True
+
+    return load
+
+
+def _methods(cfg: FinetuneConfig, pretrained: Callable[[], object]) -> list[NeuralMethod]:
+    return [NeuralMethod(f"pretrained_{mode}", mode, pretrained) for mode in cfg.modes
+            if mode != "probe"]
+
+
+def follow(ctx: RunContext) -> None:
+    """A training process other than 0, invited by process 0: train the pretrained encoder's
+    neural methods with it (a shared workdir), writing nothing."""
+    cfg = ctx.config.finetune
+    data = load_labelled(ctx.stage_dir("encode"), cfg.max_len)
+    assert data is not None  # process 0 invites only when there is something to classify
+    train_neural_methods(data, _methods(cfg, _pretrained(ctx.artifact("pretrain/encoder.keras"))),
+                         cfg)

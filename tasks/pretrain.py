@@ -9,10 +9,10 @@ import numpy as np
 
 from selfsup_model.artifacts import sha256_file
 from selfsup_model.continued import resolve_init_source
-from selfsup_model.devices import broadcast_decision, process_count
 from selfsup_model.masking import load_masks
 from selfsup_model.pretraining import pretrain
 from selfsup_model.tokenization import load_tokenizer
+from tasks.joined import invite
 from tasks.registry import PIPELINE
 from tasks.stage import RunContext, StageOutput
 
@@ -20,8 +20,7 @@ OUTPUTS = ["encoder.keras", "pretrain_model.keras", "history.json", "loss_curve.
 
 
 def compute(ctx: RunContext, out: Path, inputs: dict[str, Path]) -> StageOutput:
-    if process_count() > 1:
-        broadcast_decision(True)  # the other training processes join in (`follow`)
+    invite("pretrain")  # other training processes, if any, join in (`follow`)
     result, windows, init = _pretrain(ctx, out, inputs)
     counts = {"steps": result.steps, "tokens_seen": result.tokens_seen,
               "real_tokens_seen": result.real_tokens_seen,
@@ -46,17 +45,8 @@ def _pretrain(ctx: RunContext, out: Path, inputs: dict[str, Path]):
     return result, windows, init
 
 
-def follow(ctx: RunContext) -> bool:
-    """A training process other than 0: wait for process 0's word, then pretrain with it on
-    the inputs it wrote (a shared workdir), writing nothing. False when it skipped pretraining."""
-    if not broadcast_decision(False):
-        return False
+def follow(ctx: RunContext) -> None:
+    """A training process other than 0, invited by process 0: pretrain with it on the inputs it
+    wrote (a shared workdir), writing nothing."""
     spec = next(s for s in PIPELINE if s.name == "pretrain")
     _pretrain(ctx, ctx.stage_dir("pretrain"), {k: ctx.artifact(k) for k in spec.inputs})
-    return True
-
-
-def skipped() -> None:
-    """Process 0 tells the others that this run does not pretrain."""
-    broadcast_decision(False)
-

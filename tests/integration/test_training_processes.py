@@ -1,9 +1,10 @@
 """`selfsup run` as two training processes on loopback (Keras' launch variables, JAX on CPU).
 
 Both processes run the same command on one workdir. Process 0 is the run: it takes the lock,
-runs every stage, and at pretraining tells process 1 to join; process 1 writes nothing and
-takes its share of every batch. Both end with the same trained weights. A second run finds
-pretraining up to date: process 0 says so, and process 1 stops waiting.
+runs every stage, and invites process 1 to the work they share: pretraining, then the neural
+classifiers of finetune and baseline. Process 1 writes nothing and takes its share of every
+batch; both end with the same trained and selected weights. A second run finds pretraining
+up to date, so process 1 joins only the classifiers.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from tests.integration.servers import free_port
 pytestmark = pytest.mark.integration
 BIN = Path(sys.executable).parent
 DIGEST = re.compile(r"process (\d) of 2: trained weights sha256 (\w+)")
+SELECTED = re.compile(r"process \d of 2: (\w+) selected weights sha256 (\w+)")
 
 
 @pytest.fixture
@@ -58,7 +60,7 @@ def _run_pair(corpus: Path, workdir: Path, *extra: str) -> list[str]:
     return logs
 
 
-def test_two_processes_pretrain_one_run(corpus, tmp_path):
+def test_two_processes_share_one_run(corpus, tmp_path):
     if os.environ.get("SELFSUP_REQUIRE_JAX") != "1":
         pytest.importorskip("jax")
     workdir = tmp_path / "wd"
@@ -66,11 +68,20 @@ def test_two_processes_pretrain_one_run(corpus, tmp_path):
     digests = [DIGEST.findall(log) for log in first]
     assert [d[0][0] for d in digests] == ["0", "1"]
     assert digests[0][0][1] == digests[1][0][1]  # the replicas ended alike
-    assert "pretrained with process 0" in first[1]
+    assert "joined process 0 in pretrain\n" in first[1]
     assert "pretraining: data-parallel over 2 devices" in first[0]
     assert (workdir / "pretrain" / "manifest.json").is_file()
     assert (workdir / "pretrain" / "encoder.keras").is_file()
 
-    again = _run_pair(corpus, workdir, "--only", "pretrain")
-    assert "process 0 skipped pretraining" in again[1]
-    assert not DIGEST.findall(again[0] + again[1])
+    # The library test covers staged mode and several fractions; here one of each suffices.
+    again = _run_pair(corpus, workdir, "--to", "baseline", "--set", "finetune.modes=[probe, full]",
+                      "--set", "finetune.fractions=[1.0]")
+    assert not DIGEST.findall(again[0] + again[1])  # pretraining was up to date
+    assert "joined process 0 in finetune, baseline\n" in again[1]
+    assert "fine-tuning: data-parallel over 2 devices" in again[0]
+    selected = [dict(SELECTED.findall(log)) for log in again]
+    assert set(selected[0]) == {"pretrained_full", "random_init", "bag_of_embeddings"}
+    assert selected[0] == selected[1]  # both processes selected the same weights
+    results = json.loads((workdir / "finetune" / "results.json").read_text())["results"]
+    assert {r["method"] for r in results} >= {"pretrained_full", "pretrained_probe"}
+    assert (workdir / "baseline" / "manifest.json").is_file()

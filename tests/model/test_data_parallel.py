@@ -7,6 +7,9 @@ total weighted loss over total scored tokens of the global batch, so every logge
 loss and the validation loss must agree to 1e-5. Fine-tuning (the protocol's grid over
 pretrained_full and random_init, and the frozen probe's features) likewise: every validation
 score, every test prediction and the selected classifiers' weights.
+
+Two processes joined on loopback (one CPU device each) pretrain and then fine-tune together,
+and end with the one-process run's results.
 """
 
 from __future__ import annotations
@@ -80,7 +83,8 @@ def test_data_parallel_pretraining_matches_one_device():
     assert "does not divide over 2 devices" in out["uneven"]
 
 
-_FINETUNE_CHILD = textwrap.dedent("""
+# A tiny labelled problem and a small saved encoder; `methods` fine-tune it and train it afresh.
+_FINETUNE_SETUP = textwrap.dedent("""
     import json, logging, os, sys, tempfile
     import keras
     import numpy as np
@@ -88,11 +92,13 @@ _FINETUNE_CHILD = textwrap.dedent("""
     from selfsup_model.model import build_backbone
     from selfsup_model.transfer import (LabelledData, LabelledSplit, NeuralMethod, frozen_probe,
                                         train_neural_methods)
+    from selfsup_model.devices import join_processes
     from tests.model.toy import make_docs
 
+    join_processes()  # several processes (the launch variables) join before any computation
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     keras.utils.set_random_seed(0)
-    path = os.path.join(tempfile.mkdtemp(), "encoder.keras")
+    path = os.path.join(tempfile.mkdtemp(), "encoder.keras")  # each process its own copy
     build_backbone(20, 8, ModelConfig(hidden=8, layers=2, heads=2, ff=16, dropout=0.1,
                                       norm="pre")).save(path)
     load = lambda: keras.saving.load_model(path, safe_mode=True)
@@ -105,6 +111,9 @@ _FINETUNE_CHILD = textwrap.dedent("""
                          dropout=0.1, encoder_dropout=0.1)
     methods = [NeuralMethod("pretrained_full", "full", load),
                NeuralMethod("random_init", "scratch", load)]
+""")
+
+_FINETUNE_CHILD = _FINETUNE_SETUP + textwrap.dedent("""
     out = {}
     for mode in ("off", "auto"):
         os.environ["SELFSUP_DATA_PARALLEL"] = mode
@@ -137,16 +146,31 @@ def test_data_parallel_fine_tuning_matches_one_device():
     assert two["weights"] == pytest.approx(one["weights"], rel=1e-5, abs=1e-5)
 
 
+# Pretrain into argv[1], then fine-tune a small saved encoder, full and staged, over the grid.
 _PROCESS_CHILD = _PRETRAIN_SETUP.replace("DROPOUT", "0.1") + textwrap.dedent("""
     result = pretrain(windows, val, 40, model, cfg, masks, sys.argv[1], progress=False)
-    print("RESULT", json.dumps(None if result is None else result.val_metrics["val/mlm_loss"]))
+    pretrain_val = None if result is None else result.val_metrics["val/mlm_loss"]
+""") + _FINETUNE_SETUP + textwrap.dedent("""
+    from selfsup_model.artifacts import sha256_arrays
+
+    methods = [methods[0], NeuralMethod("pretrained_staged", "staged", load)]
+    results, kept = train_neural_methods(data, methods, cfg)
+    print("RESULT", json.dumps({
+        "pretrain_val": pretrain_val,
+        "grid": [g["val_macro_f1"] for s in results.summaries for g in s["grid"]],
+        "stages": [[st["kept"] for st in s.get("stages", [])] for s in results.summaries],
+        "rows": [list(map(str, r)) for r in results.rows],
+        "weights": [float(np.abs(w).sum()) for m in kept.values() for w in m.model.get_weights()],
+        "digests": [sha256_arrays(m.model.get_weights()) for m in kept.values()]}))
 """)
 
 
-def test_two_training_processes_on_loopback_end_with_identical_weights(tmp_path):
-    """Two processes joined through Keras' launch variables (one CPU device each) pretrain
-    together: both end with the same weights, process 0 alone writes, and its losses are the
-    one-process run's."""
+def test_two_training_processes_on_loopback_train_like_one(tmp_path):
+    """Two processes joined through Keras' launch variables (one CPU device each, dropout 0.1)
+    pretrain together: both end with the same weights, process 0 alone writes, and its losses
+    are the one-process run's. Then they fine-tune together, full and staged, over the
+    protocol's grid: both return the same results and selected weights, and those are the
+    one-process run's (scores and weights to 1e-5, identical test predictions)."""
     if os.environ.get("SELFSUP_REQUIRE_JAX") != "1":
         pytest.importorskip("jax")
     from tests.integration.servers import free_port
@@ -166,19 +190,23 @@ def test_two_training_processes_on_loopback_end_with_identical_weights(tmp_path)
     outs = []
     try:
         for proc in procs:
-            outs.append(proc.communicate(timeout=300))
+            outs.append(proc.communicate(timeout=400))
     finally:
         for proc in procs:
             proc.kill()
     for proc, (_, err) in zip(procs, outs):
         assert proc.returncode == 0, err[-3000:]
+    first, second = (json.loads(out.split("RESULT ", 1)[1]) for out, _ in outs)
+    one = json.loads(alone.stdout.split("RESULT ", 1)[1])
+
+    # pretraining
     digests = [re.findall(r"process (\d) of 2: trained weights sha256 (\w+)", err)
                for _, err in outs]
     assert [d[0][0] for d in digests] == ["0", "1"]
     assert digests[0][0][1] == digests[1][0][1]  # the replicas did not drift apart
     assert "pretraining: data-parallel over 2 devices" in outs[0][1]
     assert not (tmp_path / "process1").exists()  # only process 0 writes
-    assert json.loads(outs[1][0].split("RESULT ", 1)[1]) is None
+    assert second["pretrain_val"] is None
 
     def losses(wd: Path) -> list[float]:
         history = json.loads((wd / "history.json").read_text())
@@ -186,7 +214,17 @@ def test_two_training_processes_on_loopback_end_with_identical_weights(tmp_path)
 
     assert len(losses(tmp_path / "alone")) == 6
     assert losses(tmp_path / "process0") == pytest.approx(losses(tmp_path / "alone"), abs=1e-5)
-    val = [json.loads(out.split("RESULT ", 1)[1]) for out in (outs[0][0], alone.stdout)]
-    assert val[0] == pytest.approx(val[1], abs=1e-5)
+    assert first["pretrain_val"] == pytest.approx(one["pretrain_val"], abs=1e-5)
     assert (tmp_path / "process0" / "encoder.keras").is_file()
     assert not list((tmp_path / "process0" / "checkpoints").glob("ckpt-*.keras"))
+
+    # fine-tuning
+    assert "fine-tuning: data-parallel over 2 devices" in outs[0][1]
+    del first["pretrain_val"], second["pretrain_val"]
+    assert first == second  # the processes took the same branches and ended alike
+    assert len(one["grid"]) == 2 * 2 * 2 and len(one["digests"]) == 2
+    assert [len(st) for st in one["stages"]] == [0, 3, 0, 3]  # staged: head, top, all
+    assert first["stages"] == one["stages"]
+    assert first["grid"] == pytest.approx(one["grid"], abs=1e-5)
+    assert first["rows"] == one["rows"]
+    assert first["weights"] == pytest.approx(one["weights"], rel=1e-5, abs=1e-5)
