@@ -248,7 +248,8 @@ class ClassifierRun:
         self.stages: list[dict] = []
 
     def predict(self, ids: np.ndarray) -> np.ndarray:
-        """Class ids from the run's current weights (through the compiled ``all`` trainer)."""
+        """Class ids from the run's current weights (through the compiled ``all`` trainer, or
+        this process's copy of it, `StageTrainers.predict`)."""
         trainer = self.trainers.trainer("all", self.model, self.cfg)
         copy_state(self.model, trainer)
         return self.trainers.predict("all", trainer, ids, self.cfg)
