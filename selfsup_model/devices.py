@@ -77,15 +77,10 @@ def broadcast_int(value: int) -> int:
     return int(multihost_utils.broadcast_one_to_all(np.int32(value)))
 
 
-def broadcast_decision(value: bool) -> bool:
-    """Process 0's yes or no, in every training process (a collective: all must call it)."""
-    return bool(broadcast_int(int(value)))
-
-
 def agreed(value: bool) -> bool:
     """`value` where one process trains; with several, process 0's, so that every process
     takes the same branch (a collective then: all must call it)."""
-    return broadcast_decision(value) if process_count() > 1 else value
+    return bool(broadcast_int(int(value))) if process_count() > 1 else value
 
 
 def local_share(batch, axis: int = 0):

@@ -79,7 +79,6 @@ def compute(ctx: RunContext, out: Path, inputs: dict[str, Path]) -> StageOutput:
                        summary_metrics(results.summaries))
 
 
-
 def _neural_methods(ctx: RunContext, data: LabelledData,
                     tokenizer_path: Path) -> list[NeuralMethod]:
     """random_init (exactly the pretrained architecture, causal too) and the bag of
