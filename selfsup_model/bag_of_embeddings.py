@@ -31,11 +31,13 @@ class BagTokenEmbedding(keras.layers.Layer):
     reaches a pooled vector (MaskedMeanPooling drops padded positions).
     """
 
-    def __init__(self, vocab_size: int, max_len: int, dim: int, **kwargs):
+    def __init__(self, vocab_size: int, max_len: int, dim: int, seed: int | None = None,
+                 **kwargs):
         super().__init__(**kwargs)
         self.vocab_size, self.max_len, self.dim = int(vocab_size), int(max_len), int(dim)
+        self.seed = seed
         # fastText's initialisation, U(-1/dim, 1/dim): the mean of a document starts near zero.
-        init = keras.initializers.RandomUniform(-1.0 / self.dim, 1.0 / self.dim)
+        init = keras.initializers.RandomUniform(-1.0 / self.dim, 1.0 / self.dim, seed=seed)
         self.token_embedding = keras.layers.Embedding(
             self.vocab_size, self.dim, embeddings_initializer=init, name="token_embedding"
         )
@@ -50,7 +52,8 @@ class BagTokenEmbedding(keras.layers.Layer):
         return (*ids_shape, self.dim)
 
     def get_config(self):
-        sizes = {"vocab_size": self.vocab_size, "max_len": self.max_len, "dim": self.dim}
+        sizes = {"vocab_size": self.vocab_size, "max_len": self.max_len, "dim": self.dim,
+                 "seed": self.seed}
         return {**super().get_config(), **sizes}
 
 

@@ -17,7 +17,7 @@ import numpy as np
 from keras import ops
 
 from selfsup_model.errors import UserError
-from selfsup_model.layers import TransformerEncoderBlock
+from selfsup_model.layers import TransformerEncoderBlock, derive_seed
 from selfsup_model.saving import serializable
 from selfsup_model.specials import PAD_ID
 from selfsup_model.windows import causal_framing
@@ -101,15 +101,19 @@ def build_pooling(pooling: str, backbone: keras.Model) -> keras.layers.Layer:
 
 
 def build_classifier(backbone: keras.Model, num_classes: int, pooling: str = "mean",
-                     dropout: float = 0.1) -> keras.Model:
-    """int32 ids (B, L) -> class logits (B, num_classes), with a new, randomly initialised head."""
+                     dropout: float = 0.1, seed: int | None = None) -> keras.Model:
+    """int32 ids (B, L) -> class logits (B, num_classes), with a new, randomly initialised head
+    (its weights and dropout draws fixed by `seed`)."""
     if num_classes < 2:
         raise UserError(f"a classifier needs at least 2 classes (got {num_classes})")
     pool = build_pooling(pooling, backbone)
     ids = keras.Input(shape=backbone.input_shape[1:], dtype="int32", name="token_ids")
     pooled = pool(backbone(ids), ids)  # (B, L, H) -> (B, H)
-    pooled = keras.layers.Dropout(dropout, name="head_dropout")(pooled)
-    logits = keras.layers.Dense(num_classes, name="head_logits")(pooled)  # (B, C)
+    pooled = keras.layers.Dropout(dropout, seed=derive_seed(seed, "head_dropout"),
+                                  name="head_dropout")(pooled)
+    init = keras.initializers.GlorotUniform(seed=derive_seed(seed, "head_logits"))
+    logits = keras.layers.Dense(num_classes, kernel_initializer=init,
+                                name="head_logits")(pooled)  # (B, C)
     return keras.Model(ids, logits, name="classifier")
 
 

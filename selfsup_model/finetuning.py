@@ -123,9 +123,11 @@ def train_classifier(backbone_factory: Callable[[], keras.Model],
     # with several training processes each holds a whole copy on its own device.
     with process_local():
         # scratch: the same architecture (causal too) with freshly initialised weights.
+        # Every layer that draws is seeded by `seed` explicitly, not through Python's global
+        # `random`, which other threads of the process draw from too.
         backbone = with_dropout(backbone_factory(), cfg.encoder_dropout,
-                                keep_weights=mode != "scratch")
-        model = build_classifier(backbone, num_classes, cfg.pooling, cfg.dropout)
+                                keep_weights=mode != "scratch", seed=seed)
+        model = build_classifier(backbone, num_classes, cfg.pooling, cfg.dropout, seed=seed)
     for name, ids in (("train", train_ids), ("val", val_ids), *(eval_sets or {}).items()):
         check_encoder_length(name, ids, backbone)
     train_ids, val_ids = encoder_inputs(backbone, train_ids), encoder_inputs(backbone, val_ids)

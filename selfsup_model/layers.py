@@ -7,6 +7,7 @@ saved model reloads (with `safe_mode=True`) from the registered classes alone.
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import keras
@@ -22,10 +23,25 @@ def gelu(x):
     return keras.activations.gelu(x, approximate=True)
 
 
-def truncated_normal_init(stddev: float = 0.02) -> keras.initializers.Initializer:
+def derive_seed(seed: int | None, name: str) -> int | None:
+    """The seed of the part `name` of something seeded with `seed`; None stays None.
+
+    Keras draws a missing seed from Python's global `random`, which any thread of the
+    process may draw from too (MLflow's and Prefect's background threads do), so two runs
+    with the same seed could start from different weights and dropout draws. Every layer
+    that draws takes its seed from here instead: a hash, so that parts never share one.
+    """
+    if seed is None:
+        return None
+    digest = hashlib.blake2b(f"{int(seed)}/{name}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFF
+
+
+def truncated_normal_init(stddev: float = 0.02, seed: int | None = None
+                          ) -> keras.initializers.Initializer:
     # BERT's initialiser: small weights keep the tied output projection's
     # first logits near uniform, so the first loss is close to ln(V).
-    return keras.initializers.TruncatedNormal(stddev=stddev)
+    return keras.initializers.TruncatedNormal(stddev=stddev, seed=seed)
 
 
 class ByteMaskDropout(layers.Dropout):
@@ -84,17 +100,21 @@ class PaddingMask(layers.Layer):
 class TokenAndPositionEmbedding(layers.Layer):
     """Token lookup plus a learned absolute position vector: ids (B, L) -> (B, L, H)."""
 
-    def __init__(self, vocab_size: int, max_len: int, hidden: int, **kwargs):
+    def __init__(self, vocab_size: int, max_len: int, hidden: int, seed: int | None = None,
+                 **kwargs):
         super().__init__(**kwargs)
         self.vocab_size = int(vocab_size)
         self.max_len = int(max_len)
         self.hidden = int(hidden)
+        self.seed = seed
         self.token_embedding = layers.Embedding(
-            self.vocab_size, self.hidden, embeddings_initializer=truncated_normal_init(),
+            self.vocab_size, self.hidden,
+            embeddings_initializer=truncated_normal_init(seed=derive_seed(seed, "token")),
             dtype=self.dtype_policy, name="token_embedding",
         )
         self.position_embedding = layers.Embedding(
-            self.max_len, self.hidden, embeddings_initializer=truncated_normal_init(),
+            self.max_len, self.hidden,
+            embeddings_initializer=truncated_normal_init(seed=derive_seed(seed, "position")),
             dtype=self.dtype_policy, name="position_embedding",
         )
 
@@ -119,7 +139,7 @@ class TokenAndPositionEmbedding(layers.Layer):
 
     def get_config(self):
         return {**super().get_config(), "vocab_size": self.vocab_size,
-                "max_len": self.max_len, "hidden": self.hidden}
+                "max_len": self.max_len, "hidden": self.hidden, "seed": self.seed}
 
 
 @serializable
@@ -136,7 +156,8 @@ class TransformerEncoderBlock(layers.Layer):
     """
 
     def __init__(self, hidden: int, heads: int, ff: int, dropout: float = 0.0,
-                 norm: str = "post", causal: bool = False, epsilon: float = 1e-6, **kwargs):
+                 norm: str = "post", causal: bool = False, epsilon: float = 1e-6,
+                 seed: int | None = None, **kwargs):
         super().__init__(**kwargs)
         if norm not in ("post", "pre"):
             raise ValueError(f"norm must be 'post' or 'pre', got {norm!r}")
@@ -145,18 +166,24 @@ class TransformerEncoderBlock(layers.Layer):
         self.hidden, self.heads, self.ff = int(hidden), int(heads), int(ff)
         self.dropout, self.norm, self.causal, self.epsilon = (
             float(dropout), norm, bool(causal), epsilon)
-        dt, init = self.dtype_policy, truncated_normal_init
-        self.qkv = layers.Dense(3 * self.hidden, kernel_initializer=init(), dtype=dt, name="qkv")
-        self.attention_output = layers.Dense(self.hidden, kernel_initializer=init(), dtype=dt,
-                                             name="attention_output")
-        self.probs_dropout = ByteMaskDropout(self.dropout, dtype=dt, name="probs_dropout")
-        self.attention_dropout = ByteMaskDropout(self.dropout, dtype=dt,
-                                                 name="attention_dropout")
+        self.seed, dt = seed, self.dtype_policy
+
+        def dense(units, name):
+            init = truncated_normal_init(seed=derive_seed(seed, name))
+            return layers.Dense(units, kernel_initializer=init, dtype=dt, name=name)
+
+        def dropout_layer(name):
+            return ByteMaskDropout(self.dropout, seed=derive_seed(seed, name), dtype=dt, name=name)
+
+        self.qkv = dense(3 * self.hidden, "qkv")
+        self.attention_output = dense(self.hidden, "attention_output")
+        self.probs_dropout = dropout_layer("probs_dropout")
+        self.attention_dropout = dropout_layer("attention_dropout")
         self.attention_norm = layers.LayerNormalization(epsilon=epsilon, dtype=dt,
                                                         name="attention_norm")
-        self.ff_in = layers.Dense(self.ff, kernel_initializer=init(), dtype=dt, name="ff_in")
-        self.ff_out = layers.Dense(self.hidden, kernel_initializer=init(), dtype=dt, name="ff_out")
-        self.ff_dropout = ByteMaskDropout(self.dropout, dtype=dt, name="ff_dropout")
+        self.ff_in = dense(self.ff, "ff_in")
+        self.ff_out = dense(self.hidden, "ff_out")
+        self.ff_dropout = dropout_layer("ff_dropout")
         self.ff_norm = layers.LayerNormalization(epsilon=epsilon, dtype=dt, name="ff_norm")
 
     def build(self, input_shape):
@@ -210,4 +237,4 @@ class TransformerEncoderBlock(layers.Layer):
     def get_config(self):
         return {**super().get_config(), "hidden": self.hidden, "heads": self.heads, "ff": self.ff,
                 "dropout": self.dropout, "norm": self.norm, "causal": self.causal,
-                "epsilon": self.epsilon}
+                "epsilon": self.epsilon, "seed": self.seed}

@@ -24,6 +24,7 @@ from selfsup_model.layers import (
     PaddingMask,
     TokenAndPositionEmbedding,
     TransformerEncoderBlock,
+    derive_seed,
     gelu,
     truncated_normal_init,
 )
@@ -35,18 +36,22 @@ OBJECTIVES = ("mlm", "clm")
 
 
 def build_backbone(vocab_size: int, max_len: int, cfg: ModelConfig, causal: bool = False,
-                   dtype=None) -> keras.Model:
-    """int32 ids (B, L), L <= max_len -> states (B, L, H)."""
+                   dtype=None, seed: int | None = None) -> keras.Model:
+    """int32 ids (B, L), L <= max_len -> states (B, L, H); `seed` fixes every initial weight
+    and dropout draw (`layers.derive_seed`)."""
     ids = keras.Input(shape=(None,), dtype="int32", name="input_ids")
     padding_mask = PaddingMask(name="padding_mask")(ids)  # (B, L) bool
     x = TokenAndPositionEmbedding(vocab_size, max_len, cfg.hidden, dtype=dtype,
+                                  seed=derive_seed(seed, EMBEDDING_LAYER),
                                   name=EMBEDDING_LAYER)(ids)
     if cfg.norm == "post":
         x = layers.LayerNormalization(epsilon=1e-6, dtype=dtype, name="embeddings_norm")(x)
-    x = layers.Dropout(cfg.dropout, dtype=dtype, name="embeddings_dropout")(x)
+    x = layers.Dropout(cfg.dropout, dtype=dtype, seed=derive_seed(seed, "embeddings_dropout"),
+                       name="embeddings_dropout")(x)
     for i in range(cfg.layers):
         x = TransformerEncoderBlock(cfg.hidden, cfg.heads, cfg.ff, dropout=cfg.dropout,
                                     norm=cfg.norm, causal=causal, dtype=dtype,
+                                    seed=derive_seed(seed, f"block_{i}"),
                                     name=f"block_{i}")(x, padding_mask=padding_mask)
     if cfg.norm == "pre":
         # Pre-norm residual streams are never normalised inside the blocks.
@@ -54,11 +59,12 @@ def build_backbone(vocab_size: int, max_len: int, cfg: ModelConfig, causal: bool
     return keras.Model(ids, x, name="causal_backbone" if causal else "backbone")
 
 
-def with_dropout(backbone: keras.Model, rate: float, keep_weights: bool = True
-                         ) -> keras.Model:
+def with_dropout(backbone: keras.Model, rate: float, keep_weights: bool = True,
+                 seed: int | None = None) -> keras.Model:
     """The same backbone rebuilt with every dropout rate set to `rate` (fine-tuning's rate need
     not be pretraining's), carrying over its weights unless `keep_weights` is False (a fresh
-    random initialisation of the same architecture: the random-init baseline)."""
+    random initialisation of the same architecture: the random-init baseline). A `seed`
+    reseeds every layer that draws (initial weights, dropout), by the layer's name."""
     rate = float(rate)
 
     def clone(layer):
@@ -67,6 +73,8 @@ def with_dropout(backbone: keras.Model, rate: float, keep_weights: bool = True
             config["rate"] = rate
         elif isinstance(layer, TransformerEncoderBlock):
             config["dropout"] = rate
+        if seed is not None and "seed" in config:
+            config["seed"] = derive_seed(seed, layer.name)
         return layer.__class__.from_config(config)
 
     clone_model = keras.models.clone_model(backbone, clone_function=clone)
@@ -92,20 +100,23 @@ class CausalLMHead(layers.Layer):
 
     def __init__(self, vocab_size: int, hidden: int, tie_embeddings: bool = True,
                  token_embedding: TokenAndPositionEmbedding | None = None, epsilon: float = 1e-6,
-                 **kwargs):
+                 seed: int | None = None, **kwargs):
         super().__init__(**kwargs)
         if tie_embeddings and token_embedding is None:
             raise ValueError("a tied head needs the backbone's token embedding layer")
         self.vocab_size, self.hidden = int(vocab_size), int(hidden)
         self.tie_embeddings, self.epsilon = bool(tie_embeddings), epsilon
         self.token_embedding = token_embedding if self.tie_embeddings else None
-        dt = self.dtype_policy
-        self.transform = layers.Dense(self.hidden, kernel_initializer=truncated_normal_init(),
-                                      dtype=dt, name="transform")
+        dt, self.seed = self.dtype_policy, seed
+        self.transform = layers.Dense(
+            self.hidden,
+            kernel_initializer=truncated_normal_init(seed=derive_seed(seed, "transform")),
+            dtype=dt, name="transform")
         self.transform_norm = layers.LayerNormalization(epsilon=epsilon, dtype=dt,
                                                         name="transform_norm")
         self.decoder = None if self.tie_embeddings else layers.Dense(
-            self.vocab_size, use_bias=False, kernel_initializer=truncated_normal_init(), dtype=dt,
+            self.vocab_size, use_bias=False,
+            kernel_initializer=truncated_normal_init(seed=derive_seed(seed, "decoder")), dtype=dt,
             name="decoder")
 
     def build(self, input_shape):
@@ -136,7 +147,7 @@ class CausalLMHead(layers.Layer):
 
     def get_config(self):
         return {**super().get_config(), "vocab_size": self.vocab_size, "hidden": self.hidden,
-                "tie_embeddings": self.tie_embeddings, "epsilon": self.epsilon}
+                "tie_embeddings": self.tie_embeddings, "epsilon": self.epsilon, "seed": self.seed}
 
 
 @serializable
@@ -160,13 +171,13 @@ class MaskedLMHead(CausalLMHead):
 
 
 def _make_head(objective: str, backbone: keras.Model, tie_embeddings: bool,
-               name: str | None = None):
+               name: str | None = None, seed: int | None = None):
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
     embedding = token_embedding_of(backbone)
     cls = MaskedLMHead if objective == "mlm" else CausalLMHead
     return cls(embedding.vocab_size, embedding.hidden, tie_embeddings=tie_embeddings,
-               token_embedding=embedding, dtype=embedding.dtype_policy,
+               token_embedding=embedding, dtype=embedding.dtype_policy, seed=seed,
                name=name or f"{objective}_head")
 
 
@@ -181,8 +192,8 @@ class PretrainingModel(keras.Model):
     """
 
     def __init__(self, backbone: keras.Model, objective: str = "mlm", tie_embeddings: bool = True,
-                 **kwargs):
-        head = _make_head(objective, backbone, tie_embeddings)
+                 seed: int | None = None, **kwargs):
+        head = _make_head(objective, backbone, tie_embeddings, seed=seed)
         ids = keras.Input(shape=(None,), dtype="int32", name="input_ids")
         inputs = {"input_ids": ids}
         states = backbone(ids)  # (B, L, H)
@@ -194,7 +205,7 @@ class PretrainingModel(keras.Model):
             logits = head(states)  # (B, L-1, V)
         super().__init__(inputs=inputs, outputs=logits, **kwargs)
         self.backbone, self.head = backbone, head
-        self.objective, self.tie_embeddings = objective, bool(tie_embeddings)
+        self.objective, self.tie_embeddings, self.seed = objective, bool(tie_embeddings), seed
         self.token_loss = TokenWeightedLoss(name=f"{objective}_loss")
 
     def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
@@ -206,7 +217,7 @@ class PretrainingModel(keras.Model):
     def get_config(self):
         return {"backbone": keras.saving.serialize_keras_object(self.backbone),
                 "objective": self.objective, "tie_embeddings": self.tie_embeddings,
-                "name": self.name, "trainable": self.trainable}
+                "seed": self.seed, "name": self.name, "trainable": self.trainable}
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
@@ -241,11 +252,11 @@ class PretrainExportModel(keras.Model):
         return cls(backbone, head, **config)
 
 
-def build_pretraining_model(backbone: keras.Model, objective: str,
-                            cfg: ModelConfig) -> PretrainingModel:
-    """Backbone + a new objective head, ready to compile and fit."""
+def build_pretraining_model(backbone: keras.Model, objective: str, cfg: ModelConfig,
+                            seed: int | None = None) -> PretrainingModel:
+    """Backbone + a new objective head (its weights fixed by `seed`), ready to compile and fit."""
     return PretrainingModel(backbone, objective=objective, tie_embeddings=cfg.tie_embeddings,
-                            name=f"{objective}_pretraining")
+                            seed=derive_seed(seed, "head"), name=f"{objective}_pretraining")
 
 
 def build_pretrain_export_model(backbone: keras.Model, head: CausalLMHead,

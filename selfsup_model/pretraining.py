@@ -227,15 +227,15 @@ def _fresh_model(vocab_size: int, max_len: int, model_cfg: ModelConfig, cfg: Pre
     causal = cfg.objective == "clm"
     if init is None:
         backbone = build_backbone(vocab_size, max_len, model_cfg, causal=causal,
-                                  dtype=resolve_precision(cfg.mixed_precision))
-        return _compiled(build_pretraining_model(backbone, cfg.objective, model_cfg), cfg,
-                         model_cfg.dropout, total)
+                                  dtype=resolve_precision(cfg.mixed_precision), seed=cfg.seed)
+        return _compiled(build_pretraining_model(backbone, cfg.objective, model_cfg, cfg.seed),
+                         cfg, model_cfg.dropout, total)
     source = load_keras_model(init.pretrain_model)  # safe_mode=True, bytes verified by sha256
     check_compatible(source.backbone, vocab_size=vocab_size, max_len=max_len, causal=causal,
                      model_cfg=model_cfg, tokenizer_sha256=tokenizer_sha256 or "",
                      source=init)
-    model = build_pretraining_model(with_dropout(source.backbone, model_cfg.dropout),
-                                    cfg.objective, model_cfg)
+    model = build_pretraining_model(with_dropout(source.backbone, model_cfg.dropout,
+                                                 seed=cfg.seed), cfg.objective, model_cfg)
     model.head.set_weights(source.head.get_weights())  # the objective head continues too
     return _compiled(model, cfg, model_cfg.dropout, total)
 

@@ -1,6 +1,9 @@
 """The fair fine-tuning protocol: update budget, selection on validation only, staged unfreezing,
 frozen features, and one grid and budget for every neural method."""
 
+import random
+import threading
+
 import keras
 import numpy as np
 import pytest
@@ -214,6 +217,31 @@ def test_a_run_through_shared_compiled_trainers_does_not_depend_on_earlier_runs(
     assert all(np.array_equal(a, b) for a, b in zip(kept, after.model.get_weights()))
     # ... and so are its predictions, asked for after that run (as the test set is).
     np.testing.assert_array_equal(after.predict(test["test"]), alone.predictions["test"])
+
+
+@pytest.mark.parametrize("mode", ["full", "scratch"])
+def test_a_run_does_not_read_what_other_threads_draw_from_pythons_random(pretrained, mode):
+    """MLflow's and Prefect's background threads draw from Python's global `random`; Keras
+    would seed a layer built without a seed from it, so a run must seed every layer itself."""
+    train, val, test = make_docs(32, 1), make_docs(16, 2), {"test": make_docs(12, 3)[0]}
+    cfg = CFG.model_copy(update={"dropout": 0.3, "encoder_dropout": 0.1})
+
+    def run() -> list:
+        result = train_classifier(pretrained, train, val, 2, mode, cfg, 1, 3e-3, test)
+        return [result.history, result.predictions["test"].tolist(),
+                [w.tolist() for w in result.model.get_weights()]]
+
+    quiet = run()
+    stop = threading.Event()
+    drawer = threading.Thread(target=lambda: [random.random() for _ in iter(stop.is_set, True)],
+                              daemon=True)
+    drawer.start()
+    try:
+        busy = run()
+    finally:
+        stop.set()
+        drawer.join()
+    assert busy == quiet
 
 
 def test_finetune_jit_setting_reaches_the_compiled_trainers_and_changes_no_result(pretrained):

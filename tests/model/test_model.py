@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import keras
 import numpy as np
 import pytest
@@ -12,6 +14,7 @@ from selfsup_model.layers import (
     PaddingMask,
     TokenAndPositionEmbedding,
     TransformerEncoderBlock,
+    derive_seed,
 )
 from selfsup_model.model import (
     MaskedLMHead,
@@ -21,6 +24,7 @@ from selfsup_model.model import (
     build_pretrain_export_model,
     build_pretraining_model,
     token_embedding_of,
+    with_dropout,
 )
 from selfsup_model.specials import CLS_ID, MASK_ID, PAD_ID, SEP_ID
 
@@ -124,7 +128,8 @@ def test_gathered_mlm_logits_equal_full_logits_at_those_positions(tie):
 
 
 def test_layer_configs_round_trip():
-    block = TransformerEncoderBlock(8, 2, 16, dropout=0.1, norm="pre", causal=True, name="b")
+    block = TransformerEncoderBlock(8, 2, 16, dropout=0.1, norm="pre", causal=True, seed=5,
+                                    name="b")
     assert (TransformerEncoderBlock.from_config(block.get_config()).get_config()
             == block.get_config())
     emb = TokenAndPositionEmbedding(V, L, 8, name="e")
@@ -133,6 +138,47 @@ def test_layer_configs_round_trip():
     assert MaskedLMHead.from_config(head.get_config()).get_config() == head.get_config()
     with pytest.raises(ValueError, match="divisible"):
         TransformerEncoderBlock(9, 2, 16)
+
+
+def test_derived_seeds_are_fixed_distinct_31_bit_and_none_stays_none():
+    assert derive_seed(None, "qkv") is None
+    seeds = [derive_seed(s, name) for s in (0, 1) for name in ("qkv", "ff_in", "block_0")]
+    assert seeds == [derive_seed(s, name) for s in (0, 1) for name in ("qkv", "ff_in", "block_0")]
+    assert len(set(seeds)) == len(seeds) and all(0 <= x < 2**31 for x in seeds)
+
+
+def _state(model: keras.Model) -> list[np.ndarray]:
+    """Every variable: weights, and dropout seed-generator states."""
+    return [keras.ops.convert_to_numpy(v) for v in model.variables]
+
+
+def _equal(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
+    return len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("objective", ["mlm", "clm"])
+def test_a_seed_fixes_every_draw_whatever_pythons_global_random_holds(objective):
+    """Keras draws a missing seed from Python's global `random`, which other threads of the
+    process (MLflow's, Prefect's) draw from too; a seeded model must not read it at all."""
+    cfg = _cfg(dropout=0.1, tie_embeddings=False)
+
+    def build(global_state: int, seed: int | None) -> keras.Model:
+        random.seed(global_state)
+        backbone = build_backbone(V, L, cfg, causal=objective == "clm", seed=seed)
+        return build_pretraining_model(backbone, objective, cfg, seed=seed)
+
+    assert _equal(_state(build(1, seed=7)), _state(build(2, seed=7)))
+    assert not _equal(_state(build(1, seed=7)), _state(build(1, seed=8)))
+    assert not _equal(_state(build(1, seed=None)), _state(build(2, seed=None)))  # what it was
+    # Parts never share a seed: no two kernels of one shape start alike.
+    kernels = [keras.ops.convert_to_numpy(v) for v in build(1, seed=7).weights
+               if v.path.endswith("kernel")]
+    firsts = [k.reshape(-1)[:8].tobytes() for k in kernels]
+    assert len(set(firsts)) == len(firsts)
+    # A seeded re-initialisation of the same architecture (random_init) is fixed the same way.
+    fresh = [with_dropout(build(g, seed=None).backbone, 0.1, keep_weights=False, seed=3)
+             for g in (1, 2)]
+    assert _equal(_state(fresh[0]), _state(fresh[1]))
 
 
 @pytest.mark.parametrize("objective,tie", [("mlm", True), ("mlm", False), ("clm", True)])
