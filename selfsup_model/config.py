@@ -238,6 +238,9 @@ class BaselineConfig(_Section):
     majority: bool = True
     bag_of_embeddings: bool = True
     bag_dim: int = Field(64, ge=1)
+    bag_rate_multiplier: float = Field(
+        300.0, gt=0.0, description="The bag's token vectors learn this many times faster than "
+                                  "the shared grid's rate (sparse rows; see bag_of_embeddings).")
     sentence_embeddings: Literal["auto", "on", "off"] = Field(
         "auto",
         description="auto: run when the `embeddings` extra is installed; on: fail without it.")

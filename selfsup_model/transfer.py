@@ -260,7 +260,8 @@ def scratch_baselines(vocab_size: int, max_len: int, random_init: BackboneFactor
     if baseline.random_init and random_init is not None:
         methods.append(NeuralMethod("random_init", "scratch", random_init))
     if baseline.bag_of_embeddings:
-        bag = bag_of_embeddings_factory(vocab_size, max_len, baseline.bag_dim)
+        bag = bag_of_embeddings_factory(vocab_size, max_len, baseline.bag_dim,
+                                        baseline.bag_rate_multiplier)
         methods.append(NeuralMethod("bag_of_embeddings", "scratch", bag))
     return methods
 

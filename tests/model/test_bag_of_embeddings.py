@@ -12,11 +12,12 @@ from selfsup_model.bag_of_embeddings import (
     build_bag_of_embeddings,
 )
 from selfsup_model.classify import build_classifier, predict_classes
-from selfsup_model.config import FinetuneConfig
+from selfsup_model.config import BaselineConfig, FinetuneConfig
 from selfsup_model.errors import UserError
 from selfsup_model.finetuning import train_classifier
 from selfsup_model.metrics import accuracy
 from selfsup_model.specials import CLS_ID, PAD_ID, SEP_ID
+from selfsup_model.transfer import scratch_baselines
 from tests.model.toy import make_docs
 
 VOCAB, MAX_LEN, DIM = 20, 8, 8
@@ -57,6 +58,29 @@ def test_bag_pooling_ignores_padding_length():
     pool = keras.Model(model.input, model.get_layer("pool").output)
     pooled = pool.predict_on_batch(np.array([real + [PAD_ID] * 3], np.int32))  # (1, dim)
     np.testing.assert_allclose(pooled[0], table[real].mean(axis=0), rtol=1e-5, atol=1e-7)
+
+
+def test_rate_multiplier_moves_the_vectors_that_many_times_further_per_step():
+    """Adam's first step moves every weight by about the rate, so a table stored divided by m
+    and scaled back by m on lookup moves its vectors m times as far, from the same start."""
+    ids = np.array([[CLS_ID, 9, 14, SEP_ID, PAD_ID]], np.int32)
+    target = np.random.default_rng(0).normal(size=(1, 5, DIM)).astype("float32")
+    start, moved = {}, {}
+    for m in (1.0, 30.0):
+        inputs = keras.Input(shape=(None,), dtype="int32")
+        layer = BagTokenEmbedding(VOCAB, MAX_LEN, DIM, seed=3, rate_multiplier=m)
+        model = keras.Model(inputs, layer(inputs))
+        model.compile(optimizer=keras.optimizers.Adam(learning_rate=1e-3), loss="mse")
+        start[m] = model.predict_on_batch(ids)
+        model.train_on_batch(ids, target)
+        moved[m] = model.predict_on_batch(ids) - start[m]
+        assert layer.get_config()["rate_multiplier"] == m
+    assert np.abs(start[1.0]).max() <= 1.0 / DIM  # fastText's start, whatever the multiplier
+    np.testing.assert_allclose(start[30.0], start[1.0], rtol=1e-5, atol=1e-9)
+    np.testing.assert_allclose(np.abs(moved[1.0]), 1e-3, rtol=5e-3)  # one step: the rate (float32)
+    np.testing.assert_allclose(moved[30.0], 30.0 * moved[1.0], rtol=5e-3)
+    with pytest.raises(UserError, match="rate_multiplier"):
+        BagTokenEmbedding(VOCAB, MAX_LEN, DIM, rate_multiplier=0.0)
 
 
 def test_bag_trains_above_chance_via_train_classifier(trained):
@@ -101,3 +125,12 @@ def test_module_imports_neither_sklearn_nor_torch():
     names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     roots = {name.split(".")[0] for name in names}
     assert "keras" in roots and not roots & {"sklearn", "torch", "sentence_transformers"}
+
+
+def test_the_baseline_stage_builds_the_bag_with_the_configured_multiplier():
+    methods = scratch_baselines(VOCAB, MAX_LEN, None, BaselineConfig(bag_dim=DIM,
+                                                                     bag_rate_multiplier=7.0))
+    assert [(m.name, m.mode) for m in methods] == [("bag_of_embeddings", "scratch")]
+    layer = methods[0].factory().get_layer("bag_embedding")
+    assert (layer.rate_multiplier, layer.dim) == (7.0, DIM)
+    assert BaselineConfig().bag_rate_multiplier == 300.0  # benchmarks/bag_rate.py's choice
