@@ -233,8 +233,12 @@ def test_a_run_does_not_read_what_other_threads_draw_from_pythons_random(pretrai
 
     quiet = run()
     stop = threading.Event()
-    drawer = threading.Thread(target=lambda: [random.random() for _ in iter(stop.is_set, True)],
-                              daemon=True)
+
+    def draw() -> None:  # a draw every millisecond, as long as the run lasts
+        while not stop.wait(0.001):
+            random.random()
+
+    drawer = threading.Thread(target=draw, daemon=True)
     drawer.start()
     try:
         busy = run()
