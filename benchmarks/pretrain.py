@@ -66,13 +66,23 @@ def size_spec(name: str, args) -> dict:
         spec = {k: getattr(args, k) for k in REFERENCE}
         spec["heads"] = args.heads or max(1, spec["hidden"] // 64)
         spec["predictions"], spec["dropout"] = args.predictions, args.dropout
-        return {"name": "custom", **spec}
+        # The reference is a BERT: post-LN, like both peers; the optimiser at its defaults.
+        return {"name": "custom", **spec, **_recipe(ModelConfig(), PretrainConfig())}
     cfg = build_config(name)
     return {"name": name, "hidden": cfg.model.hidden, "layers": cfg.model.layers,
             "heads": cfg.model.heads, "ff": cfg.model.ff, "vocab": cfg.tokenizer.vocab_size,
             "seq": cfg.encode.max_len,
             "batch": cfg.pretrain.batch_size, "predictions": cfg.masks.max_predictions,
-            "dropout": cfg.model.dropout if args.dropout is None else args.dropout}
+            "dropout": cfg.model.dropout if args.dropout is None else args.dropout,
+            **_recipe(cfg.model, cfg.pretrain)}
+
+
+def _recipe(model: ModelConfig, pretrain: PretrainConfig) -> dict:
+    """What a preset trains with beyond its size: a benchmark of the preset measures these too
+    (a post-LN stand-in for a pre-LN preset would time, and train, another model)."""
+    return {"norm": model.norm, "learning_rate": pretrain.learning_rate,
+            "warmup": pretrain.warmup_steps, "decay": pretrain.decay,
+            "length_buckets": pretrain.length_buckets}
 
 
 def flops_per_token(spec: dict, non_embedding_params: int) -> float:
@@ -92,7 +102,7 @@ def time_data(data, steps: int) -> float:
 
 # --- ours -------------------------------------------------------------------------------------
 
-def bucket_setting(args) -> int | None:
+def bucket_setting(args, spec: dict) -> int | None:
     """The length_buckets to pass, or None where the data path has no such argument."""
     from selfsup_model.pretrain_data import PretrainBatches
 
@@ -103,7 +113,7 @@ def bucket_setting(args) -> int | None:
         return None
     if args.length_buckets is not None:
         return args.length_buckets
-    return getattr(PretrainConfig(), "length_buckets", 1)
+    return spec.get("length_buckets", 1)
 
 
 def make_batches(spec: dict, windows, total: int, buckets: int | None):
@@ -135,8 +145,11 @@ def build_ours(spec: dict, args, total: int, dropout_draws: str = "bytes"):
     from selfsup_model.pretraining import build_optimizer
 
     model_cfg = ModelConfig(hidden=spec["hidden"], layers=spec["layers"], heads=spec["heads"],
-                            ff=spec["ff"], dropout=spec["dropout"])
-    pre_cfg = PretrainConfig(batch_size=spec["batch"], steps=total, warmup_steps=min(10, total),
+                            ff=spec["ff"], dropout=spec["dropout"], norm=spec["norm"])
+    # The preset's schedule squeezed into the run's steps: its warmup, but at most a tenth of them.
+    pre_cfg = PretrainConfig(batch_size=spec["batch"], steps=total,
+                             learning_rate=spec["learning_rate"], decay=spec["decay"],
+                             warmup_steps=min(spec["warmup"], max(1, total // 10)),
                              mixed_precision=args.precision, jit=args.jit)
     keras.utils.set_random_seed(0)
     policy, jit = resolve_precision(args.precision), resolve_jit(args.jit)
@@ -215,11 +228,14 @@ def bench_size(spec: dict, args) -> dict:
     import keras
 
     total = args.warmup + args.steps
-    # With --val-loss, enough windows that a short run learns the chain, not the windows.
-    pool = max((16 if args.val_loss else 4) * spec["batch"], 512)
+    # With --val-loss, fresh windows for every step, up to 64k windows: a pool cycled through
+    # many times can be memorised rather than the chain learnt (the GPU's first 2,000-step run
+    # made 125 passes over 2,048 windows and ended above the unigram baseline).
+    pool = (min(total * spec["batch"], 1 << 16) if args.val_loss
+            else max(4 * spec["batch"], 512))
     windows = synthetic_windows(np.random.default_rng(0), pool, spec["seq"], spec["vocab"],
                                 structured=args.val_loss)
-    buckets = bucket_setting(args)
+    buckets = bucket_setting(args, spec)
     data = make_batches(spec, windows, total, buckets)
     data_s = time_data(data, min(args.steps, 50))
     model, policy, jit = build_ours(spec, args, total)
@@ -413,7 +429,7 @@ def hf_contender(spec: dict, reference) -> Contender | None:
 
 def contenders(spec: dict, args, windows, peers: list[str]) -> tuple[list[Contender], dict]:
     total = args.warmup + args.rounds * args.steps
-    buckets = bucket_setting(args)
+    buckets = bucket_setting(args, spec)
     data = make_batches(spec, windows, total, buckets)
     reference = make_batches(spec, windows, total, None if buckets is None else 1)
     model, policy, jit = build_ours(spec, args, total)
@@ -597,7 +613,8 @@ def main(argv=None) -> int:
 
 
 def _line(r: dict) -> str:
-    keys = ("name", "backend", "policy", "jit", "dropout", "length_buckets", "params", "step_ms",
+    keys = ("name", "backend", "policy", "jit", "norm", "dropout", "learning_rate",
+            "length_buckets", "params", "step_ms",
             "data_ms", "data_share", "tokens_per_s", "real_tokens_per_s", "gflops_per_token",
             "achieved_tflops", "mfu", "warmup_s", "meets_target", "val_mlm_loss",
             "val_unigram_baseline")
