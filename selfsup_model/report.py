@@ -73,8 +73,42 @@ def winner_statements(results: Sequence[Mapping[str, Any]]) -> list[str]:
     return lines
 
 
+def grid_edges(results: Sequence[Mapping[str, Any]],
+               grids: Mapping[str, Mapping[str, Sequence[float]]]) -> list[dict[str, Any]]:
+    """The selections that landed on an end of their search grid, where a wider grid might have
+    changed the method's result: one {method, fraction, setting, value, end} per such choice.
+
+    `grids` maps a method name, or "*" for every method, to {setting: the values searched}. A
+    grid of one value has no edge to report: nothing was selected.
+    """
+    edges = []
+    for r in sorted(results, key=lambda r: (float(r["fraction"]), str(r["method"]))):
+        selected = r.get("selected")
+        if not isinstance(selected, Mapping):
+            continue
+        searched = {**grids.get("*", {}), **grids.get(str(r["method"]), {})}
+        for setting, values in searched.items():
+            values = sorted({float(v) for v in values})
+            if setting not in selected or len(values) < 2:
+                continue
+            value = float(selected[setting])
+            end = ("largest" if value >= values[-1] else
+                   "smallest" if value <= values[0] else None)
+            if end is not None:
+                edges.append({"method": r["method"], "fraction": float(r["fraction"]),
+                              "setting": setting, "value": value, "end": end})
+    return edges
+
+
+def edge_sentence(edge: Mapping[str, Any]) -> str:
+    return (f"{edge['method']} at label fraction {edge['fraction']:g}: {edge['setting']} "
+            f"{edge['value']:g}, the {edge['end']} value tried. A wider grid might change its "
+            "result.")
+
+
 def render_markdown(results: Sequence[Mapping[str, Any]], context: Mapping[str, Any],
-                    effects: Sequence[Mapping[str, Any]] = ()) -> str:
+                    effects: Sequence[Mapping[str, Any]] = (),
+                    edges: Sequence[Mapping[str, Any]] | None = None) -> str:
     _check_results(results)
     head = ("| method | label fraction | test accuracy [95% CI] | test macro-F1 [95% CI] "
             "| over seeds | val macro-F1 | selected on val | train time (s) | n_test |")
@@ -93,6 +127,10 @@ def render_markdown(results: Sequence[Mapping[str, Any]], context: Mapping[str, 
         lines += [f"- {effect_sentence(e)}" for e in effects]
     lines += ["", "## What the numbers say", ""]
     lines += [f"- {s}" for s in winner_statements(results)]
+    if edges is not None:
+        lines += ["", "## Selections at the edge of their grid", ""]
+        lines += ([f"- {edge_sentence(e)}" for e in edges] if edges
+                  else ["- None: every setting chosen on validation lies inside its grid."])
     lines += [
         "",
         (
@@ -117,17 +155,21 @@ def write_report(
     predictions: pd.DataFrame | None = None,
     effects: Sequence[Mapping[str, Any]] = (),
     kept_classifier: Mapping[str, Any] | None = None,
+    edges: Sequence[Mapping[str, Any]] | None = None,
 ) -> list[str]:
     """Write report.md, report.json and the plots into out_dir; return the file names written.
 
     `kept_classifier` (method, fraction, val_macro_f1, ...) names the classifier the run hands
-    over; report.json carries it as is."""
+    over; report.json carries it as is. `edges` (from `grid_edges`), when given, are listed in
+    both."""
     _check_results(results)
     out_dir = Path(out_dir)
-    atomic_write_text(out_dir / "report.md", render_markdown(results, context, effects))
+    atomic_write_text(out_dir / "report.md", render_markdown(results, context, effects, edges))
     payload = {"results": [_json_safe(dict(r)) for r in results],
                "pretraining_effect": [_json_safe(dict(e)) for e in effects],
                "context": _json_safe(dict(context))}
+    if edges is not None:
+        payload["grid_edges"] = [_json_safe(dict(e)) for e in edges]
     if kept_classifier is not None:
         payload["kept_classifier"] = _json_safe(dict(kept_classifier))
     atomic_write_json(out_dir / "report.json", payload)

@@ -19,9 +19,11 @@ from selfsup_model.artifacts import (
     atomic_write_parquet,
     atomic_write_text,
 )
+from selfsup_model.config import PipelineConfig
 from selfsup_model.effects import effect_sentence, pretraining_effects, seed_spread
-from selfsup_model.report import recompute_results, write_report
+from selfsup_model.report import edge_sentence, grid_edges, recompute_results, write_report
 from selfsup_model.transfer import result_key
+from tasks.baseline import SENTENCE_METHOD
 from tasks.stage import RunContext, StageOutput
 
 log = logging.getLogger("selfsup.compare")
@@ -93,6 +95,14 @@ def _protocol(cfg) -> str:
             f"{list(cfg.probe_c)} on standardised frozen features")
 
 
+def searched_grids(config: PipelineConfig) -> dict[str, dict[str, tuple[float, ...]]]:
+    """What each method's selection searched, by method ("*": every neural method)."""
+    return {"*": {"learning_rate": config.finetune.learning_rates},
+            "pretrained_probe": {"C": config.finetune.probe_c},
+            "tfidf_logreg": {"C": config.baseline.tfidf_c},
+            SENTENCE_METHOD: {"C": config.baseline.sentence_c}}
+
+
 def compute(ctx: RunContext, out: Path, inputs: dict[str, Path]) -> StageOutput:
     predictions = pd.concat([pd.read_parquet(inputs["finetune/predictions.parquet"]),
                              pd.read_parquet(inputs["baseline/predictions.parquet"])],
@@ -128,7 +138,10 @@ def compute(ctx: RunContext, out: Path, inputs: dict[str, Path]) -> StageOutput:
         context["classifier handed over"] = (
             f"{kept['method']} at label fraction {kept['fraction']:g} "
             f"(validation macro-F1 {kept['val_macro_f1']:.3f}; {kept['why']})")
-    files = write_report(out, results, context, predictions, effects, kept)
+    edges = grid_edges(results, searched_grids(ctx.config))
+    for edge in edges:
+        log.warning("selected at the edge of its grid: %s", edge_sentence(edge))
+    files = write_report(out, results, context, predictions, effects, kept, edges)
     files.append(atomic_write_parquet(out / "predictions.parquet", predictions).name)
     with atomic_path(out / "pretrain_loss_curve.png") as tmp:
         shutil.copyfile(inputs["pretrain/loss_curve.png"], tmp)

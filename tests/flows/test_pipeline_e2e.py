@@ -163,6 +163,10 @@ def test_every_neural_method_had_the_same_search_and_budget(tiny_run):
     effects = {(e["fraction"], e["reference"]) for e in report["pretraining_effect"]}
     assert effects == {(f, ref) for f in (0.5, 1.0) for ref in ("random_init", "tfidf_logreg")}
     assert "What pretraining bought" in (wd / "compare" / "report.md").read_text()
+    # The tiny preset searches one rate and one C: no selection, so no grid edge to report.
+    assert report["grid_edges"] == []
+    assert "every setting chosen on validation lies inside its grid" in (
+        wd / "compare" / "report.md").read_text()
 
 
 def test_pretraining_reads_only_the_training_split_and_its_loss_is_recomputable(tiny_run):

@@ -10,6 +10,7 @@ from selfsup_model.errors import UserError
 from selfsup_model.report import (
     CONFUSION_PLOT,
     CURVE_PLOT,
+    grid_edges,
     recompute_results,
     render_markdown,
     winner_statements,
@@ -65,6 +66,44 @@ def test_report_numbers_recompute_from_predictions(tmp_path):
     markdown = (tmp_path / "report.md").read_text()
     assert markdown.count("| full |") == 2 and "Label fraction 0.25:" in markdown
     assert "leakage audit" in markdown and "test-set sampling only" in markdown
+
+
+def test_grid_edges_name_each_selection_at_an_end_of_its_grid():
+    results = [
+        {"method": "random_init", "fraction": 0.25, "selected": {"learning_rate": 3e-3, "seed": 0}},
+        {"method": "full", "fraction": 0.25, "selected": {"learning_rate": 1e-3, "seed": 1}},
+        {"method": "bag", "fraction": 0.05, "selected": {"learning_rate": 3e-4, "seed": 1}},
+        {"method": "tfidf", "fraction": 0.05, "selected": {"C": 10.0, "ngram_max": 2}},
+        {"method": "tfidf", "fraction": 0.25, "selected": {"C": 100.0, "ngram_max": 1}},
+        {"method": "probe", "fraction": 0.05, "selected": {"C": 0.01}},
+        {"method": "majority", "fraction": 0.05},
+    ]
+    grids = {"*": {"learning_rate": (1e-3, 3e-4, 3e-3)},  # any order
+             "tfidf": {"C": (0.1, 1.0, 10.0, 100.0)},
+             "probe": {"C": (0.01, 0.01)}}  # one value searched: nothing was selected
+    assert grid_edges(results, grids) == [
+        {"method": "bag", "fraction": 0.05, "setting": "learning_rate", "value": 3e-4,
+         "end": "smallest"},
+        {"method": "random_init", "fraction": 0.25, "setting": "learning_rate", "value": 3e-3,
+         "end": "largest"},
+        {"method": "tfidf", "fraction": 0.25, "setting": "C", "value": 100.0, "end": "largest"},
+    ]
+
+
+def test_report_lists_grid_edges_or_says_there_are_none(tmp_path):
+    table = predictions_table()
+    results = [{**r, "selected": {"learning_rate": 3e-3 if r["method"] == "full" else 1e-3}}
+               for r in recompute_results(table, 50, 1)]
+    edges = grid_edges(results, {"*": {"learning_rate": (3e-4, 1e-3, 3e-3)}})
+    assert [(e["method"], e["fraction"]) for e in edges] == [("full", 0.25), ("full", 1.0)]
+    write_report(tmp_path, results, {}, edges=edges)
+    assert json.loads((tmp_path / "report.json").read_text())["grid_edges"] == edges
+    markdown = (tmp_path / "report.md").read_text()
+    assert ("- full at label fraction 0.25: learning_rate 0.003, the largest value tried. "
+            "A wider grid might change its result.") in markdown
+    write_report(tmp_path, results, {}, edges=[])
+    assert "- None: every setting chosen on validation lies inside its grid." in (
+        tmp_path / "report.md").read_text()
 
 
 def test_recompute_is_independent_of_row_order():
