@@ -10,7 +10,7 @@ Its token rows learn `rate_multiplier` times faster than the learning rate the s
 gives it (the table is stored divided by the multiplier and scaled back on lookup, so Adam's
 steps, about the rate in size, move the vectors that much further). A row moves only when
 its token is in the batch, and at the grid's rates, chosen for the Transformers, the bag
-learned little in its budget. At the demo's grid (3e-4, 1e-3) and 5% labels, the best
+learned little in its budget. At the grid (3e-4, 1e-3) the demo used then and 5% labels, the best
 validation macro-F1 was 0.351 without a multiplier, 0.442 with 100 and 0.441 with 300; on a
 second corpus 0.107, 0.390 and 0.416 (`benchmarks/bag_rate.py`; fastText itself trains at
 rates near 0.1). The multiplier is part of the model, like an initialisation: every method

@@ -184,8 +184,8 @@ class FinetuneConfig(_Section):
     # The fair protocol: every neural method (pretrained full/staged, random_init, bag of
     # embeddings) searches the same grid with the same update budget and early stopping.
     learning_rates: tuple[float, ...] = Field(
-        (3e-4, 1e-3), description="Peak learning rates every neural method tries; the best on "
-                                  "validation macro-F1 is kept.")
+        (3e-4, 1e-3, 3e-3), description="Peak learning rates every neural method tries; the best "
+                                        "on validation macro-F1 is kept.")
     batch_size: int = Field(32, ge=1)
     epochs: int = Field(4, ge=1, description="Passes over the training subset ...")
     min_updates: int = Field(200, ge=1, description="... but at least this many updates ...")
@@ -201,7 +201,7 @@ class FinetuneConfig(_Section):
     staged_top_blocks: int = Field(1, ge=1, description="Blocks the second staged stage unfreezes.")
     staged_final_lr_scale: float = Field(0.3, gt=0.0, le=1.0,
                                          description="The last staged stage's rate, relative.")
-    probe_c: tuple[float, ...] = Field((0.01, 0.1, 1.0, 10.0),
+    probe_c: tuple[float, ...] = Field((0.001, 0.01, 0.1, 1.0, 10.0, 100.0),
                                        description="C grid of the frozen-feature linear probe.")
     eval_batch_size: int = Field(256, ge=1)
     jit: Literal["auto", "on", "off"] = Field(
@@ -232,7 +232,7 @@ class FinetuneConfig(_Section):
 
 
 class BaselineConfig(_Section):
-    tfidf_c: tuple[float, ...] = (0.1, 1.0, 10.0)
+    tfidf_c: tuple[float, ...] = (0.1, 1.0, 10.0, 100.0)
     tfidf_ngram_max: tuple[int, ...] = (1, 2)
     random_init: bool = True
     majority: bool = True

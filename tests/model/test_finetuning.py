@@ -28,7 +28,7 @@ from tests.model.toy import make_docs
 
 VOCAB, MAX_LEN = 20, 8
 CFG = FinetuneConfig(batch_size=8, epochs=2, min_updates=8, max_updates=24, evals=4, patience=2,
-                     dropout=0.0, encoder_dropout=0.0)
+                     dropout=0.0, encoder_dropout=0.0, learning_rates=(3e-4, 1e-3))
 
 
 def backbone(layers: int = 1, dropout: float = 0.0) -> keras.Model:
