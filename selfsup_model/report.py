@@ -127,10 +127,6 @@ def render_markdown(results: Sequence[Mapping[str, Any]], context: Mapping[str, 
         lines += [f"- {effect_sentence(e)}" for e in effects]
     lines += ["", "## What the numbers say", ""]
     lines += [f"- {s}" for s in winner_statements(results)]
-    if edges is not None:
-        lines += ["", "## Selections at the edge of their grid", ""]
-        lines += ([f"- {edge_sentence(e)}" for e in edges] if edges
-                  else ["- None: every setting chosen on validation lies inside its grid."])
     lines += [
         "",
         (
@@ -140,10 +136,12 @@ def render_markdown(results: Sequence[Mapping[str, Any]], context: Mapping[str, 
             "the row is the seed chosen on validation. Learning rates, seeds, C and stopping "
             "points were selected on validation macro-F1 only."
         ),
-        "",
-        "## Context",
-        "",
     ]
+    if edges is not None:
+        lines += ["", "## Selections at the edge of their grid", ""]
+        lines += ([f"- {edge_sentence(e)}" for e in edges] if edges
+                  else ["- None: every setting chosen on validation lies inside its grid."])
+    lines += ["", "## Context", ""]
     lines += [f"- **{key}**: {_plain(value)}" for key, value in context.items()]
     return "\n".join(lines) + "\n"
 
