@@ -34,8 +34,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         "baseline": {"tfidf_c": [1.0], "tfidf_ngram_max": [1], "bag_dim": 16, "sentence_c": [1.0]},
         "compare": {"bootstrap": 50},
     },
-    # The default: the whole pipeline on the embedded corpus in 12-20 minutes on 2 CPU cores
-    # (measured 11 min 53 s and 19 min 21 s on two hosts), more than half of it pretraining.
+    # The default: the whole pipeline on the embedded corpus in about 14-24 minutes on 2 CPU
+    # cores (23 min 22 s measured on the slower of two hosts; 11 min 53 s on the faster one
+    # before the third learning rate), more than half of it pretraining.
     "demo": {
         "ingest": {"pydocs_max_per_library": 1500},
         "tokenizer": {"vocab_size": 4096},
