@@ -209,7 +209,9 @@ class FinetuneConfig(_Section):
                             "or under JAX (as pretrain.jit). On a CPU, XLA with encoder_dropout "
                             "> 0 is slower than without it.")
     subset_seed: int = Field(3, description="Seed of the label subsets every method shares.")
-    seeds: tuple[int, ...] = Field((0,), description="Training seeds each neural method repeats.")
+    seeds: tuple[int, ...] = Field(
+        (0,), description="Training seeds: the rate grid runs with the first, the rate it chose "
+                          "with every other.")
     repeat_seeds_up_to: float = Field(
         1.0, gt=0.0, le=1.0, description="Label fractions above this train with the first seed "
                                          "only.")
@@ -222,6 +224,8 @@ class FinetuneConfig(_Section):
             raise ValueError("finetune.learning_rates must be non-empty positive values")
         if not self.seeds or not self.probe_c or min(self.probe_c) <= 0:
             raise ValueError("finetune.seeds and finetune.probe_c (positive) must be non-empty")
+        if len(set(self.seeds)) != len(self.seeds):
+            raise ValueError("finetune.seeds must not repeat a seed")
         if self.min_updates > self.max_updates:
             raise ValueError("finetune.min_updates must not exceed finetune.max_updates")
         return self

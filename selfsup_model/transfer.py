@@ -163,8 +163,9 @@ class NeuralMethod:
 
 def train_neural_methods(data: LabelledData, methods: Sequence[NeuralMethod], cfg: FinetuneConfig,
                          ) -> tuple[MethodResults, dict[str, ClassifierResult]]:
-    """Every method at every label fraction under one protocol (see `finetuning`): for each
-    training seed, each learning rate of the grid; the rate, then the seed, chosen on validation.
+    """Every method at every label fraction under one protocol (see `finetuning`): each learning
+    rate of the grid with the first training seed, the rate chosen on validation; that rate again
+    with every other seed; the seed best on validation reported.
 
     Returns the results and, per method, its selected classifier at the largest fraction.
     Under JAX with several devices every run is data-parallel (`devices.data_parallel_scope`).
@@ -195,22 +196,28 @@ def _train_neural_methods(data: LabelledData, methods: Sequence[NeuralMethod],
             log.info("%s at label fraction %g: %d training documents", method.name, fraction,
                      len(subset))
             t0, grid, per_seed = time.perf_counter(), [], []
-            for seed in cfg.seeds_at(fraction):
-                best = None
-                for lr in cfg.learning_rates:
-                    res = train_classifier(method.factory, (train.windows[subset], y_train[subset]),
-                                           val, len(data.classes), method.mode, cfg, seed, lr,
-                                           trainers=trainers[method.name])
-                    grid.append({"seed": seed, "learning_rate": lr,
-                                 "val_macro_f1": res.val_macro_f1, "updates_run": res.updates_run})
-                    if best is None or res.val_macro_f1 > best.val_macro_f1:
-                        best = res
-                # Test predictions only for the rate validation chose: the others are never read.
-                predicted = best.predict(test)
-                per_seed.append((seed, best, predicted))
+            # The grid on the first seed; its chosen rate repeated over the other seeds, so the
+            # spread over seeds is that of one setting, at one run per extra seed.
+            first, *repeats = cfg.seeds_at(fraction)
+            best, runs = None, [(first, lr) for lr in cfg.learning_rates]
+            for seed, lr in runs + [(s, None) for s in repeats]:  # None: the rate chosen
+                res = train_classifier(method.factory, (train.windows[subset], y_train[subset]),
+                                       val, len(data.classes), method.mode, cfg, seed,
+                                       lr if lr is not None else best.learning_rate,
+                                       trainers=trainers[method.name])
+                grid.append({"seed": seed, "learning_rate": res.learning_rate,
+                             "val_macro_f1": res.val_macro_f1, "updates_run": res.updates_run})
+                if seed != first:
+                    per_seed.append((seed, res))
+                elif best is None or res.val_macro_f1 > best.val_macro_f1:
+                    best = res
+            per_seed.insert(0, (first, best))
+            # Test predictions only for the rate validation chose: the others are never read.
+            per_seed = [(seed, res, res.predict(test)) for seed, res in per_seed]
+            for seed, _, predicted in per_seed:
                 out.add_seed(method.name, fraction, seed, data, predicted)
             # the seed best on validation; the first on ties
-            seed, chosen, predicted = max(per_seed, key=lambda run: run[1].val_macro_f1)
+            seed, chosen, predicted = max(per_seed, key=lambda r: r[1].val_macro_f1)
             out.add(method.name, fraction, data, predicted, {
                 "n_train": len(subset), "val_macro_f1": chosen.val_macro_f1,
                 "selected": {"learning_rate": chosen.learning_rate, "seed": seed},

@@ -90,8 +90,9 @@ def _protocol(cfg) -> str:
     return (f"every neural method: peak learning rates {list(cfg.learning_rates)} (chosen on "
             f"validation), {cfg.epochs} epochs clipped to [{cfg.min_updates}, {cfg.max_updates}] "
             f"updates, {cfg.warmup_fraction:g} warmup then linear decay, early stopping after "
-            f"{cfg.patience} of {cfg.evals} validation checks without gain, training seeds "
-            f"{list(cfg.seeds)} up to fraction {cfg.repeat_seeds_up_to:g}; linear probe: C in "
+            f"{cfg.patience} of {cfg.evals} validation checks without gain, the grid on seed "
+            f"{cfg.seeds[0]} and the chosen rate repeated with training seeds {list(cfg.seeds)} "
+            f"up to fraction {cfg.repeat_seeds_up_to:g}; linear probe: C in "
             f"{list(cfg.probe_c)} on standardised frozen features")
 
 

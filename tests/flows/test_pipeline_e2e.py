@@ -153,9 +153,11 @@ def test_every_neural_method_had_the_same_search_and_budget(tiny_run):
                                              "bag_of_embeddings"}
     for fraction in {s["fraction"] for s in neural}:
         at = [s for s in neural if s["fraction"] == fraction]
-        searched = {s["method"]: sorted((g["seed"], g["learning_rate"]) for g in s["grid"])
-                    for s in at}
-        assert len({tuple(v) for v in searched.values()}) == 1, searched
+        # the same rate grid on the first seed, and as many runs with the other seeds
+        searched = {s["method"]: (sorted(g["learning_rate"] for g in s["grid"]
+                                         if g["seed"] == s["grid"][0]["seed"]),
+                                  sorted(g["seed"] for g in s["grid"])) for s in at}
+        assert len({repr(v) for v in searched.values()}) == 1, searched
         assert len({(s["budget_updates"], s["n_train"]) for s in at}) == 1
     staged = [s for s in neural if s["method"] == "pretrained_staged"]
     assert all([st["stage"] for st in s["stages"]] == ["head", "top", "all"] for s in staged)

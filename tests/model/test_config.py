@@ -32,6 +32,7 @@ def test_yaml_file_then_set_override(tmp_path):
         ("split.train=0.9", "must sum to 1"),
         ("masks.mask_rate=0.5", "must sum to 1"),
         ("model.heads=3", "divisible"),
+        ("finetune.seeds=[0, 1, 0]", "must not repeat a seed"),
         ("nonsense", "KEY=VALUE"),
     ],
 )

@@ -166,9 +166,13 @@ def test_every_neural_method_gets_the_same_grid_budget_and_subsets(monkeypatch):
         by_method.setdefault(name, []).append((n, labels, id(run_cfg), seed, lr))
     runs = list(by_method.values())
     assert len(runs) == 4 and all(r == runs[0] for r in runs)  # identical runs for every method
-    # 0.25: two seeds x two rates; 1.0: the first seed x two rates.
+    # 0.25: the first seed x two rates, then the second seed at the rate validation chose;
+    # 1.0: the first seed x two rates.
     assert [(n, seed, lr) for n, _, _, seed, lr in runs[0]] == [
-        (10, 0, 1e-3), (10, 0, 3e-3), (10, 1, 1e-3), (10, 1, 3e-3), (40, 0, 1e-3), (40, 0, 3e-3)]
+        (10, 0, 1e-3), (10, 0, 3e-3), (10, 1, 3e-3), (40, 0, 1e-3), (40, 0, 3e-3)]
+    at_quarter = [s for s in results.summaries if s["fraction"] == 0.25]
+    assert all([(g["seed"], g["learning_rate"]) for g in s["grid"]] ==
+               [(0, 1e-3), (0, 3e-3), (1, 3e-3)] for s in at_quarter)
     assert {s["selected"]["learning_rate"] for s in results.summaries} == {3e-3}
     assert {s["budget_updates"] for s in results.summaries if s["fraction"] == 1.0} == \
         {update_budget(40, cfg)}
