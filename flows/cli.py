@@ -31,7 +31,7 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workdir", default=DEFAULT_WORKDIR,
                    help="where stage outputs go [default: %(default)s]")
     p.add_argument("--preset", choices=sorted(PRESETS),
-                   help="size preset: tiny (tests), demo (14-24 min on 2 CPU cores), base (GPU) "
+                   help="size preset: tiny (tests), demo (12-21 min on 2 CPU cores), base (GPU) "
                         f"[default: {_LAST} demo]")
     p.add_argument("--config", dest="config_file",
                    help="YAML file with config sections overriding the preset")
@@ -51,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(run)
     run.add_argument("--only", metavar="STAGE", help="run just this stage (its inputs must exist)")
     run.add_argument("--from", dest="from_stage", metavar="STAGE",
-                     help="rerun this stage and everything after it")
+                     help="rerun this stage, then every later stage that is not up to date "
+                          "(one whose inputs it changed)")
     run.add_argument("--to", dest="to_stage", metavar="STAGE",
                      help="stop after this stage (e.g. --to masks)")
     run.add_argument("--force", action="append", default=[], metavar="STAGE",
