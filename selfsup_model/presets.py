@@ -34,9 +34,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         "baseline": {"tfidf_c": [1.0], "tfidf_ngram_max": [1], "bag_dim": 16, "sentence_c": [1.0]},
         "compare": {"bootstrap": 50},
     },
-    # The default: the whole pipeline on the embedded corpus in about 14-24 minutes on 2 CPU
-    # cores (23 min 22 s measured on the slower of two hosts; 11 min 53 s on the faster one
-    # before the third learning rate), more than half of it pretraining.
+    # The default: the whole pipeline on the embedded corpus in about 12-21 minutes on 2 CPU
+    # cores (20 min 35 s measured on the slower of two hosts; 11 min 53 s on the faster one
+    # with an earlier, two-rate grid), more than half of it pretraining.
     "demo": {
         "ingest": {"pydocs_max_per_library": 1500},
         "tokenizer": {"vocab_size": 4096},
@@ -55,8 +55,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         "pretrain": {"batch_size": 64, "steps": 2500, "learning_rate": 1e-3, "warmup_steps": 100,
                       "decay": "linear", "log_every": 50, "eval_every": 500,
                       "checkpoint_every": 500, "jit": "on", "length_buckets": 4},
-        # Every neural method: 3 rates x (2 seeds at 5%), 120-300 updates, no dropout inside the
-        # encoder (a third of a CPU step) — the same for pretrained and random_init — and XLA
+        # Every neural method: 3 rates, then the chosen one again with a second seed at 5%;
+        # 120-300 updates, no dropout inside the encoder (a third of a CPU step) — the same for
+        # pretrained and random_init — and XLA
         # (benchmarks/finetune.py: 1.5-1.7x the updates/s once compiled). The third rate, 3e-3:
         # with (3e-4, 1e-3) every Transformer chose the top rate on two corpora; given 3e-3,
         # validation picked it for random_init at 25% on both (test macro-F1 +0.039 on the
