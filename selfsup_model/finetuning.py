@@ -264,46 +264,47 @@ class ClassifierRun:
         trainer = self.trainers.trainer(stage.name, self.model, self.cfg)
         if stage.name == "head":
             x_train = self.trainers.features(self.model, self.train_ids, self.cfg)
+            x_val = self.trainers.features(self.model, self.val_ids, self.cfg)
             _copy_head(self.model, trainer)
         else:
-            x_train = self.train_ids
+            x_train, x_val = self.train_ids, self.val_ids
             copy_state(self.model, trainer)
         warmup = round(self.cfg.warmup_fraction * stage.updates)
         trainer.optimizer.restart(stage.learning_rate, warmup, stage.updates)
         # (updates, B) indices into the training subset; with several training processes each
         # feeds its share of every batch (`devices.local_share`).
         order = local_share(self._batches(stage.updates), axis=1)
-        idx = order.reshape(-1)
-        # One `fit` for the whole stage, validated from a callback: on TensorFlow each `fit`
-        # ends by tearing down its input pipeline, which stalled for ~2 s in a third of the
-        # calls, as long as a short run's 30 updates (measured on the 2-core machine).
-        checks = _ValidationChecks(self, stage)
-        trainer.fit(x_train[idx], self.train_y[idx], batch_size=order.shape[1], epochs=1,
-                    shuffle=False, verbose=0, callbacks=[checks])
-        if checks.kept:  # continue from where the stage ended
+        waited, stage_best, kept = 0, -1.0, False
+        for lo in range(0, stage.updates, self.eval_every):
+            rows = order[lo : lo + self.eval_every]
+            idx = rows.reshape(-1)
+            trainer.fit(x_train[idx], self.train_y[idx], batch_size=rows.shape[1], epochs=1,
+                        shuffle=False, verbose=0)
+            self.updates += len(rows)
+            val_pred = self.trainers.predict(stage.name, trainer, x_val, self.cfg)
+            f1 = macro_f1(self.val_y, val_pred)
+            self.history.append({"stage": stage.name, "update": self.updates, "val_macro_f1": f1})
+            stage_best = max(stage_best, f1)
+            # strict: a tie keeps the earlier, cheaper weights. Every process takes process 0's
+            # branch, so all train the same updates.
+            if agreed(f1 > self.best_f1):
+                self._hand_back(stage.name, trainer)
+                self.best_f1, self.best_update, self.best_val_pred = f1, self.updates, val_pred
+                self.best_weights = self.model.get_weights()
+                waited, kept = 0, True  # the stage raised validation macro-F1
+            else:
+                waited += 1
+                if waited >= self.cfg.patience:
+                    break
+        if kept:  # continue from where the stage ended
             self._hand_back(stage.name, trainer)
         else:  # validation says this stage did not help: continue from the weights before it
             self.restore_best()
         self.stages.append({"stage": stage.name, "updates": stage.updates,
-                            "learning_rate": stage.learning_rate,
-                            "val_macro_f1": checks.stage_best, "kept": checks.kept})
-        log.info("stage %s: best val macro-F1 %.4f (%s)", stage.name, checks.stage_best,
-                 "kept" if checks.kept else "discarded")
-
-    def check(self, stage: Stage, trainer: keras.Model, x_val: np.ndarray) -> bool:
-        """Validation macro-F1 after the update just applied, recorded in the history; True when
-        it beats the run's best so far, whose weights these then become."""
-        val_pred = self.trainers.predict(stage.name, trainer, x_val, self.cfg)
-        f1 = macro_f1(self.val_y, val_pred)
-        self.history.append({"stage": stage.name, "update": self.updates, "val_macro_f1": f1})
-        # strict: a tie keeps the earlier, cheaper weights. Every process takes process 0's
-        # branch, so all train the same updates.
-        if agreed(f1 > self.best_f1):
-            self._hand_back(stage.name, trainer)
-            self.best_f1, self.best_update, self.best_val_pred = f1, self.updates, val_pred
-            self.best_weights = self.model.get_weights()
-            return True
-        return False
+                            "learning_rate": stage.learning_rate, "val_macro_f1": stage_best,
+                            "kept": kept})
+        log.info("stage %s: best val macro-F1 %.4f (%s)", stage.name, stage_best,
+                 "kept" if kept else "discarded")
 
     def _hand_back(self, kind: str, trainer: keras.Model) -> None:
         """The stage trainer's weights into the run's model."""
@@ -318,36 +319,6 @@ class ClassifierRun:
         passes = math.ceil(updates * size / n)
         stream = np.concatenate([self.rng.permutation(n) for _ in range(passes)])
         return stream[: updates * size].reshape(updates, size)
-
-
-class _ValidationChecks(keras.callbacks.Callback):
-    """Validation every `eval_every` updates of a stage's one `fit` (and after its last update),
-    with early stopping; records the stage's best validation macro-F1 and whether it raised the
-    run's best."""
-
-    def __init__(self, run: ClassifierRun, stage: Stage):
-        super().__init__()
-        self.run, self.stage = run, stage
-        self.start, self.waited, self.stage_best, self.kept = run.updates, 0, -1.0, False
-        self.x_val = (run.trainers.features(run.model, run.val_ids, run.cfg)
-                      if stage.name == "head" else run.val_ids)
-
-    def on_train_batch_end(self, batch, logs=None):
-        done = batch + 1  # updates of this stage applied so far
-        if done % self.run.eval_every and done != self.stage.updates:
-            return
-        self.run.updates = self.start + done
-        # `self.model` (not a reference kept elsewhere): under JAX reading it attaches the
-        # weights of the update just applied to the model, which a mid-epoch step does not.
-        trainer = self.model
-        gained = self.run.check(self.stage, trainer, self.x_val)
-        self.stage_best = max(self.stage_best, self.run.history[-1]["val_macro_f1"])
-        if gained:
-            self.waited, self.kept = 0, True  # the stage raised validation macro-F1
-        else:
-            self.waited += 1
-            if self.waited >= self.run.cfg.patience:
-                trainer.stop_training = True
 
 
 def _layout(variable) -> tuple:
