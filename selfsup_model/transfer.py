@@ -199,8 +199,9 @@ def _train_neural_methods(data: LabelledData, methods: Sequence[NeuralMethod],
             # The grid on the first seed; its chosen rate repeated over the other seeds, so the
             # spread over seeds is that of one setting, at one run per extra seed.
             first, *repeats = cfg.seeds_at(fraction)
-            best, runs = None, [(first, lr) for lr in cfg.learning_rates]
-            for seed, lr in runs + [(s, None) for s in repeats]:  # None: the rate chosen
+            schedule = [(first, lr) for lr in cfg.learning_rates] + [(s, None) for s in repeats]
+            best = None
+            for seed, lr in schedule:  # lr None: the rate the first seed's grid chose
                 res = train_classifier(method.factory, (train.windows[subset], y_train[subset]),
                                        val, len(data.classes), method.mode, cfg, seed,
                                        lr if lr is not None else best.learning_rate,
