@@ -35,7 +35,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "compare": {"bootstrap": 50},
     },
     # The default: the whole pipeline on the embedded corpus in about 12-21 minutes on 2 CPU
-    # cores (20 min 35 s measured on the slower of two hosts; 11 min 53 s on the faster one
+    # cores (20 min 15 s measured on the slower of two hosts; 11 min 53 s on the faster one
     # with an earlier, two-rate grid), more than half of it pretraining.
     "demo": {
         "ingest": {"pydocs_max_per_library": 1500},
