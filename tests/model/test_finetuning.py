@@ -133,6 +133,42 @@ def test_errors_are_clear(pretrained):
         train_classifier(pretrained, (ids, y), (ids, y), 2, "linear", CFG, 0, 1e-3)
 
 
+def _labelled_data() -> LabelledData:
+    """Two classes; 40 training, 10 validation and 6 test documents."""
+    docs = {s: make_docs(n, k) for s, n, k in (("train", 40, 0), ("val", 10, 1), ("test", 6, 2))}
+    splits = {s: LabelledSplit(np.array([f"{s}{i}" for i in range(len(y))]),
+                               np.where(y == 1, "b", "a"), ids) for s, (ids, y) in docs.items()}
+    return LabelledData(["a", "b"], splits, {}, MAX_LEN)
+
+
+def test_other_seeds_repeat_the_rate_the_first_seeds_grid_chose(monkeypatch):
+    # Validation favours the middle rate, and among seeds the last: the repeats must run that
+    # rate (not the grid's last one), and the reported seed is the one best on validation.
+    val_f1 = {1e-4: 0.2, 1e-3: 0.5, 1e-2: 0.3}
+    calls = []
+
+    class Fake:
+        def __init__(self, seed, lr):
+            self.val_macro_f1, self.learning_rate = val_f1[lr] + 0.01 * seed, lr
+            self.updates_run = self.best_update = 1
+            self.stages, self.model = [], None
+
+        def predict(self, ids):
+            return np.zeros(len(ids), np.int64)
+
+    def fake_train(factory, train, val, num_classes, mode, cfg, seed, learning_rate, trainers):
+        calls.append((seed, learning_rate))
+        return Fake(seed, learning_rate)
+
+    monkeypatch.setattr("selfsup_model.transfer.train_classifier", fake_train)
+    cfg = FinetuneConfig(fractions=(1.0,), learning_rates=(1e-4, 1e-3, 1e-2), seeds=(5, 0, 7))
+    results, _ = train_neural_methods(_labelled_data(), [NeuralMethod("m", "full", object)], cfg)
+    assert calls == [(5, 1e-4), (5, 1e-3), (5, 1e-2), (0, 1e-3), (7, 1e-3)]
+    (summary,) = results.summaries
+    assert summary["selected"] == {"learning_rate": 1e-3, "seed": 7}
+    assert [(g["seed"], g["learning_rate"]) for g in summary["grid"]] == calls
+
+
 def test_every_neural_method_gets_the_same_grid_budget_and_subsets(monkeypatch):
     calls, predicted = [], []
 
@@ -151,10 +187,7 @@ def test_every_neural_method_gets_the_same_grid_budget_and_subsets(monkeypatch):
         return Fake(learning_rate)
 
     monkeypatch.setattr("selfsup_model.transfer.train_classifier", fake_train)
-    docs = {s: make_docs(n, k) for s, n, k in (("train", 40, 0), ("val", 10, 1), ("test", 6, 2))}
-    splits = {s: LabelledSplit(np.array([f"{s}{i}" for i in range(len(y))]),
-                               np.where(y == 1, "b", "a"), ids) for s, (ids, y) in docs.items()}
-    data = LabelledData(["a", "b"], splits, {}, MAX_LEN)
+    data = _labelled_data()
     cfg = FinetuneConfig(fractions=(0.25, 1.0), learning_rates=(1e-3, 3e-3), seeds=(0, 1),
                          repeat_seeds_up_to=0.25)
     methods = [NeuralMethod(name, mode, lambda name=name: name) for name, mode in
