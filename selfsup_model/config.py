@@ -175,8 +175,13 @@ class PretrainConfig(_Section):
 class FinetuneConfig(_Section):
     fractions: tuple[float, ...] = (0.05, 0.25, 1.0)
     max_len: int | None = Field(
-        None, ge=4, description="Classify on each document's first max_len tokens "
-                                "(None: the whole first window).")
+        None, ge=4, description="Classifiers read windows cut to max_len tokens (None: whole "
+                                "windows).")
+    train_windows: Literal["all", "first"] = Field(
+        "all", description="What every classifier trains on. all: every window of each "
+                           "labelled document, each carrying the document's label; first: the "
+                           "first window only. Prediction reads a document's first window "
+                           "either way, and the update budget counts documents.")
     modes: tuple[Literal["probe", "full", "staged"], ...] = ("probe", "full", "staged")
     pooling: Literal["mean", "cls", "last"] = Field(
         "mean", description="mean: over real tokens; cls: the first state (bidirectional "
@@ -187,7 +192,8 @@ class FinetuneConfig(_Section):
         (3e-4, 1e-3, 3e-3), description="Peak learning rates every neural method tries; the best "
                                         "on validation macro-F1 is kept.")
     batch_size: int = Field(32, ge=1)
-    epochs: int = Field(4, ge=1, description="Passes over the training subset ...")
+    epochs: int = Field(4, ge=1, description="Updates for this many passes over the training "
+                                             "subset's documents ...")
     min_updates: int = Field(200, ge=1, description="... but at least this many updates ...")
     max_updates: int = Field(2000, ge=1, description="... and at most this many.")
     warmup_fraction: float = Field(0.1, ge=0.0, lt=1.0)

@@ -104,7 +104,8 @@ def train_classifier(backbone_factory: Callable[[], keras.Model],
                      num_classes: int, mode: str, cfg: FinetuneConfig, seed: int,
                      learning_rate: float,
                      eval_sets: Mapping[str, np.ndarray] | None = None,
-                     trainers: StageTrainers | None = None) -> ClassifierResult:
+                     trainers: StageTrainers | None = None,
+                     budget_documents: int | None = None) -> ClassifierResult:
     """Train one classifier in `mode` at one peak learning rate; select on validation only.
 
     `backbone_factory()` returns a fresh backbone per call (full fine-tuning
@@ -112,7 +113,9 @@ def train_classifier(backbone_factory: Callable[[], keras.Model],
     `train`/`val` are (framed windows (N, L) int32, class ids (N,)); `eval_sets`
     are windows only, predicted once with the selected weights. `trainers`, shared by
     every run of one method, reuses its compiled train and predict steps; a run's
-    result does not depend on which runs came before it.
+    result does not depend on which runs came before it. `budget_documents`: the documents
+    the update budget counts, when `train` holds several windows per document (default: one
+    per row).
     """
     if mode not in MODES:
         raise UserError(f"unknown fine-tuning mode {mode!r}; choose one of {', '.join(MODES)}")
@@ -131,7 +134,7 @@ def train_classifier(backbone_factory: Callable[[], keras.Model],
     for name, ids in (("train", train_ids), ("val", val_ids), *(eval_sets or {}).items()):
         check_encoder_length(name, ids, backbone)
     train_ids, val_ids = encoder_inputs(backbone, train_ids), encoder_inputs(backbone, val_ids)
-    budget = update_budget(len(train_y), cfg)
+    budget = update_budget(len(train_y) if budget_documents is None else budget_documents, cfg)
     run = ClassifierRun(model, backbone, (train_ids, train_y), (val_ids, val_y), cfg,
                         np.random.default_rng(seed), eval_every=math.ceil(budget / cfg.evals),
                         trainers=trainers)

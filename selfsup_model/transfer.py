@@ -1,10 +1,12 @@
 """Transfer experiments: every classification method at every label fraction, on the same documents.
 
 The fair-comparison rules live here, once, for the pretrained encoder and every
-baseline alike: one labelled view of the encoded splits (each document's first
-window, the training split's classes), one stratified subset per label
-fraction shared by all methods, selection on validation only, and one row
-format for test predictions and one for training summaries.
+baseline alike: one labelled view of the encoded splits (the training split's
+classes; every classifier trains on every window of its labelled documents, each
+window carrying its document's label, and predicts from a document's first
+window), one stratified subset per label fraction shared by all methods,
+selection on validation only, and one row format for test predictions and one
+for training summaries.
 """
 
 from __future__ import annotations
@@ -34,15 +36,40 @@ from selfsup_model.finetuning import (
 from selfsup_model.metrics import macro_f1
 from selfsup_model.report import PREDICTION_COLUMNS, SEED_COLUMNS
 from selfsup_model.splitting import SPLITS
-from selfsup_model.windows import first_windows
+from selfsup_model.windows import document_windows, first_windows
 
 log = logging.getLogger("selfsup.transfer")
+
+@dataclasses.dataclass(frozen=True)
+class EncodedWindows:
+    """Encode's windows of a split (possibly memory-mapped) and where each labelled document's
+    are: labelled document j owns windows[offsets[rows[j]]:offsets[rows[j] + 1]]."""
+
+    windows: np.ndarray  # (W, L') int32
+    offsets: np.ndarray  # (docs + 1,) int64, over every document of the split
+    rows: np.ndarray  # (n,) int64: the split's document index of each labelled document
+
 
 @dataclasses.dataclass(frozen=True)
 class LabelledSplit:
     ids: np.ndarray  # (n,) str
     labels: np.ndarray  # (n,) str
     windows: np.ndarray  # (n, L) int32: each document's first (truncated) window
+    encoded: EncodedWindows | None = None  # None: the first window is all there is
+
+    def training_windows(self, docs: np.ndarray, every_window: bool = True,
+                         ) -> tuple[np.ndarray, np.ndarray]:
+        """What a classifier trains on for documents `docs` (indices into this split):
+        (windows (m, L) int32, the document of each row (m,)). Every window of each document,
+        cut like the first, in document order; or only the first windows, when `every_window`
+        is False or the split has no encoded windows."""
+        docs = np.asarray(docs, dtype=np.int64)
+        if not every_window or self.encoded is None:
+            return self.windows[docs], docs
+        enc = self.encoded
+        windows, owner = document_windows(enc.windows, enc.offsets, enc.rows[docs],
+                                          self.windows.shape[1])
+        return windows, docs[owner]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +97,8 @@ def load_labelled(encode_dir: Path, max_len: int | None = None) -> LabelledData 
         has_label = docs["label"].notna().to_numpy()
         splits[split] = LabelledSplit(docs["id"].to_numpy(str)[has_label],
                                       docs["label"].to_numpy(str)[has_label],
-                                      first_windows(windows, offsets, has_label, max_len))
+                                      first_windows(windows, offsets, has_label, max_len),
+                                      EncodedWindows(windows, offsets, np.flatnonzero(has_label)))
         counts[f"{split}_labelled"] = int(has_label.sum())
         counts[f"{split}_unlabelled"] = int((~has_label).sum())
     classes = sorted(set(splits["train"].labels.tolist()))
@@ -192,9 +220,10 @@ def _train_neural_methods(data: LabelledData, methods: Sequence[NeuralMethod],
     largest = max(cfg.fractions)
     trainers = {method.name: StageTrainers() for method in methods}  # compiled once per method
     for fraction, subset in label_subsets(data, cfg):
+        windows, owner = train.training_windows(subset, cfg.train_windows == "all")
         for method in methods:
-            log.info("%s at label fraction %g: %d training documents", method.name, fraction,
-                     len(subset))
+            log.info("%s at label fraction %g: %d training documents, %d windows", method.name,
+                     fraction, len(subset), len(windows))
             t0, grid, per_seed = time.perf_counter(), [], []
             # The grid on the first seed; its chosen rate repeated over the other seeds, so the
             # spread over seeds is that of one setting, at one run per extra seed.
@@ -202,10 +231,11 @@ def _train_neural_methods(data: LabelledData, methods: Sequence[NeuralMethod],
             schedule = [(first, lr) for lr in cfg.learning_rates] + [(s, None) for s in repeats]
             best = None
             for seed, lr in schedule:  # lr None: the rate the first seed's grid chose
-                res = train_classifier(method.factory, (train.windows[subset], y_train[subset]),
+                res = train_classifier(method.factory, (windows, y_train[owner]),
                                        val, len(data.classes), method.mode, cfg, seed,
                                        lr if lr is not None else best.learning_rate,
-                                       trainers=trainers[method.name])
+                                       trainers=trainers[method.name],
+                                       budget_documents=len(subset))
                 grid.append({"seed": seed, "learning_rate": res.learning_rate,
                              "val_macro_f1": res.val_macro_f1, "updates_run": res.updates_run})
                 if seed != first:
@@ -220,7 +250,8 @@ def _train_neural_methods(data: LabelledData, methods: Sequence[NeuralMethod],
             # the seed best on validation; the first on ties
             seed, chosen, predicted = max(per_seed, key=lambda r: r[1].val_macro_f1)
             out.add(method.name, fraction, data, predicted, {
-                "n_train": len(subset), "val_macro_f1": chosen.val_macro_f1,
+                "n_train": len(subset), "n_train_windows": len(windows),
+                "val_macro_f1": chosen.val_macro_f1,
                 "selected": {"learning_rate": chosen.learning_rate, "seed": seed},
                 "budget_updates": update_budget(len(subset), cfg),
                 "updates_run": chosen.updates_run,
@@ -249,13 +280,18 @@ def frozen_probe(name: str, data: LabelledData, backbone_factory: BackboneFactor
     mode, standardised on each training subset), C tuned on validation; also the fit at the
     largest fraction."""
     t0 = time.perf_counter()
+    # the training windows of every document some fraction trains on, each computed once
+    used = np.unique(np.concatenate([subset for _, subset in label_subsets(data, cfg)]))
+    train_windows, owner = data.splits["train"].training_windows(used, cfg.train_windows == "all")
+    inputs = {"train": train_windows, "val": data.splits["val"].windows,
+              "test": data.splits["test"].windows}
     with data_parallel_scope(cfg.eval_batch_size, "frozen features", across_processes=False):
         backbone = backbone_factory()
-        features = {split: frozen_features(backbone, data.splits[split].windows, cfg.pooling,
+        features = {split: frozen_features(backbone, inputs[split], cfg.pooling,
                                            cfg.eval_batch_size) for split in SPLITS}
     fits: list[ProbeFit] = []
     results = features_probe(name, data, features, cfg.probe_c, cfg, time.perf_counter() - t0,
-                             standardize=True, fits=fits)
+                             standardize=True, fits=fits, train_owner=owner)
     return results, (fits[-1] if fits else None)
 
 
@@ -303,32 +339,39 @@ def text_baselines(data: LabelledData, texts: pd.Series, baseline: BaselineConfi
 def features_probe(method: str, data: LabelledData, features: Mapping[str, np.ndarray],
                    c_grid: Sequence[float], finetune: FinetuneConfig,
                    feature_time_s: float = 0.0, standardize: bool = False,
-                   fits: list[ProbeFit] | None = None) -> MethodResults:
-    """Logistic regression on fixed per-document features (split -> (n, d)), C tuned on validation.
+                   fits: list[ProbeFit] | None = None,
+                   train_owner: np.ndarray | None = None) -> MethodResults:
+    """Logistic regression on fixed features (split -> (rows, d)), C tuned on validation.
 
+    Validation and test have one row per document. Training rows belong to the training
+    documents `train_owner` names (one row per training document when None); a fraction
+    trains on the rows of its subset's documents, each with its document's label.
     The features are computed once for all fractions; `feature_time_s`, their
     cost, is added to every fraction's training time and shown beside it. With
     `standardize`, each feature is centred and scaled by its mean and standard
-    deviation over the training subset (never validation or test). `fits`, when given,
+    deviation over the training rows (never validation or test). `fits`, when given,
     receives the selected fit at the largest fraction (for handing the probe over).
     """
     out = MethodResults()
     train, val = data.splits["train"], data.splits["val"]
+    owner = np.arange(len(train.ids)) if train_owner is None else np.asarray(train_owner)
     largest = max(finetune.fractions)
     for fraction, subset in label_subsets(data, finetune):
-        x = {"train": features["train"][subset], "val": features["val"], "test": features["test"]}
+        rows = np.isin(owner, subset)
+        x = {"train": features["train"][rows], "val": features["val"], "test": features["test"]}
         dim = x["train"].shape[1]
         mean, scale = np.zeros(dim, np.float32), np.ones(dim, np.float32)
         if standardize:
             mean, std = x["train"].mean(axis=0), x["train"].std(axis=0)
             scale = np.where(std > 0, std, 1.0).astype(np.float32)
             x = {split: (v - mean) / scale for split, v in x.items()}
-        res = logreg_on_features(x["train"], train.labels[subset], x["val"], val.labels,
+        res = logreg_on_features(x["train"], train.labels[owner[rows]], x["val"], val.labels,
                                  {"test": x["test"]}, c_grid, what=method)
         if fits is not None and fraction == largest:
             fits.append(ProbeFit(res.model, mean, scale, res.val_macro_f1))
         out.add(method, fraction, data, np.asarray(res.predictions["test"], dtype=str), {
-            "n_train": len(subset), "val_macro_f1": res.val_macro_f1, "params": res.params,
+            "n_train": len(subset), "n_train_windows": int(rows.sum()),
+            "val_macro_f1": res.val_macro_f1, "params": res.params,
             "train_time_s": round(res.fit_time_s + feature_time_s, 3),
             "feature_time_s": round(feature_time_s, 3)})
     return out

@@ -2,8 +2,8 @@
 
 A window is one row of `encode`'s output: `[CLS] content [SEP]` right-padded
 with [PAD]. Pretraining, evaluation and classification all start from such
-rows, so the two ways of reading them live here once: the causal shift and a
-document's first window cut to a classifier's length.
+rows, so the ways of reading them live here once: the causal shift, a document's
+first window cut to a classifier's length, and all of a document's windows.
 """
 
 from __future__ import annotations
@@ -61,3 +61,21 @@ def first_windows(windows: np.ndarray, doc_offsets: np.ndarray, rows: np.ndarray
     if rows is not None:
         starts = starts[rows]
     return truncate_windows(np.asarray(windows[starts], dtype=np.int32), max_len)
+
+
+def document_windows(windows: np.ndarray, doc_offsets: np.ndarray, docs: np.ndarray,
+                     max_len: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Every window of documents `docs` (indices), cut to `max_len` tokens, in the order given:
+    (windows (m, max_len) int32, position in `docs` of each row's document (m,) int64).
+
+    Document i owns windows doc_offsets[i]:doc_offsets[i + 1]. Only the rows asked for are
+    read, so `windows` may be a memory map of a whole split.
+    """
+    docs = np.asarray(docs, dtype=np.int64)
+    offsets = np.asarray(doc_offsets, dtype=np.int64)
+    starts, counts = offsets[docs], offsets[docs + 1] - offsets[docs]
+    owner = np.repeat(np.arange(len(docs), dtype=np.int64), counts)
+    # row k of document j is starts[j] + k: the running index minus where j's rows begin
+    begin = np.cumsum(counts) - counts
+    rows = starts[owner] + np.arange(len(owner), dtype=np.int64) - begin[owner]
+    return truncate_windows(np.asarray(windows[rows], dtype=np.int32), max_len), owner

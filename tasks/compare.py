@@ -63,11 +63,7 @@ def report_context(ctx: RunContext, inputs: dict[str, Path], n_test: int) -> dic
                                   if k.startswith("val/")},
         "leakage audit": "passed (no near-duplicates or groups across splits)"
                          if audit.get("passed") else f"FAILED: {audit.get('message')}",
-        "what each method reads": (
-            "neural methods: each document's first "
-            f"{ctx.config.finetune.max_len or ctx.config.encode.max_len} "
-            "tokens; TF-IDF and sentence embeddings: the document text (the sentence model "
-            "truncates at its own limit)"),
+        "what each method reads": _reads(ctx.config),
         **{f"not run: {method}": reason for method, reason in sorted(unavailable.items())},
     }
 
@@ -86,14 +82,24 @@ def time_split(seconds: dict[str, float]) -> str:
     return f"{', '.join(parts)}; {total:.0f} s in all"
 
 
+def _reads(config: PipelineConfig) -> str:
+    tokens = config.finetune.max_len or config.encode.max_len
+    trains = ("every window of each labelled document, each with the document's label"
+              if config.finetune.train_windows == "all" else "each document's first window")
+    return (f"neural methods and the linear probe: windows of up to {tokens} tokens; they "
+            f"train on {trains}, and predict from a document's first window. TF-IDF and sentence "
+            "embeddings: the document text (the sentence model truncates at its own limit)")
+
+
 def _protocol(cfg) -> str:
     return (f"every neural method: peak learning rates {list(cfg.learning_rates)} (chosen on "
-            f"validation), {cfg.epochs} epochs clipped to [{cfg.min_updates}, {cfg.max_updates}] "
-            f"updates, {cfg.warmup_fraction:g} warmup then linear decay, early stopping after "
-            f"{cfg.patience} of {cfg.evals} validation checks without gain, the grid on seed "
-            f"{cfg.seeds[0]} and the chosen rate repeated with training seeds {list(cfg.seeds)} "
-            f"up to fraction {cfg.repeat_seeds_up_to:g}; linear probe: C in "
-            f"{list(cfg.probe_c)} on standardised frozen features")
+            f"validation), the updates of {cfg.epochs} passes over the subset's documents "
+            f"clipped to [{cfg.min_updates}, {cfg.max_updates}], {cfg.warmup_fraction:g} "
+            f"warmup then linear decay, early stopping after {cfg.patience} of {cfg.evals} "
+            f"validation checks without gain, the grid on seed {cfg.seeds[0]} and the chosen "
+            f"rate repeated with training seeds {list(cfg.seeds)} up to fraction "
+            f"{cfg.repeat_seeds_up_to:g}; linear probe: C in {list(cfg.probe_c)} on "
+            "standardised frozen features")
 
 
 def searched_grids(config: PipelineConfig) -> dict[str, dict[str, tuple[float, ...]]]:
@@ -122,7 +128,8 @@ def compute(ctx: RunContext, out: Path, inputs: dict[str, Path]) -> StageOutput:
     for r in results:
         key = (r["method"], r["fraction"])
         extra = trained.get(key, {})
-        r.update({k: extra[k] for k in ("val_macro_f1", "train_time_s", "n_train") if k in extra})
+        r.update({k: extra[k] for k in ("val_macro_f1", "train_time_s", "n_train",
+                                        "n_train_windows") if k in extra})
         if "selected" in extra or "params" in extra:  # neural: rate and seed; linear: C (n-grams)
             r["selected"] = extra.get("selected", extra.get("params"))
         if key in spread:

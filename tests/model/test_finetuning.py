@@ -3,6 +3,7 @@ frozen features, and one grid and budget for every neural method."""
 
 import random
 import threading
+import types
 
 import keras
 import numpy as np
@@ -22,8 +23,16 @@ from selfsup_model.finetuning import (
 )
 from selfsup_model.metrics import macro_f1
 from selfsup_model.model import build_backbone
-from selfsup_model.specials import BOS_ID, CLS_ID, SEP_ID
-from selfsup_model.transfer import LabelledData, LabelledSplit, NeuralMethod, train_neural_methods
+from selfsup_model.specials import BOS_ID, CLS_ID, PAD_ID, SEP_ID
+from selfsup_model.transfer import (
+    EncodedWindows,
+    LabelledData,
+    LabelledSplit,
+    NeuralMethod,
+    features_probe,
+    train_neural_methods,
+)
+from selfsup_model.windows import first_windows
 from tests.model.toy import make_docs
 
 VOCAB, MAX_LEN = 20, 8
@@ -156,7 +165,8 @@ def test_other_seeds_repeat_the_rate_the_first_seeds_grid_chose(monkeypatch):
         def predict(self, ids):
             return np.zeros(len(ids), np.int64)
 
-    def fake_train(factory, train, val, num_classes, mode, cfg, seed, learning_rate, trainers):
+    def fake_train(factory, train, val, num_classes, mode, cfg, seed, learning_rate, trainers,
+                   budget_documents):
         calls.append((seed, learning_rate))
         return Fake(seed, learning_rate)
 
@@ -182,7 +192,9 @@ def test_every_neural_method_gets_the_same_grid_budget_and_subsets(monkeypatch):
             predicted.append((len(ids), self.learning_rate))
             return np.zeros(len(ids), np.int64)
 
-    def fake_train(factory, train, val, num_classes, mode, cfg, seed, learning_rate, trainers):
+    def fake_train(factory, train, val, num_classes, mode, cfg, seed, learning_rate, trainers,
+                   budget_documents):
+        assert budget_documents == len(train[1])  # one window per document here
         calls.append((factory(), mode, len(train[1]), tuple(train[1]), cfg, seed, learning_rate))
         return Fake(learning_rate)
 
@@ -212,6 +224,82 @@ def test_every_neural_method_gets_the_same_grid_budget_and_subsets(monkeypatch):
     assert len(results.seed_rows) == 4 * (2 + 1) * 6 and set(kept) == {m.name for m in methods}
     # The test set is predicted once per method, fraction and seed, by the rate validation chose.
     assert predicted == [(6, 3e-3)] * 4 * (2 + 1)
+
+
+@pytest.mark.parametrize("train_windows", ["all", "first"])
+def test_classifiers_train_on_every_window_of_their_documents(monkeypatch, train_windows):
+    # Encode's windows of four training documents; the second is unlabelled. Each row's first
+    # token names it: document 0 owns rows 10 and 11, document 2 row 30, document 3 rows 40-42.
+    rows = [[CLS_ID, 10, SEP_ID, PAD_ID, PAD_ID], [CLS_ID, 11, SEP_ID, PAD_ID, PAD_ID],
+            [CLS_ID, 20, SEP_ID, PAD_ID, PAD_ID], [CLS_ID, 30, SEP_ID, PAD_ID, PAD_ID],
+            [CLS_ID, 40, SEP_ID, PAD_ID, PAD_ID], [CLS_ID, 41, SEP_ID, PAD_ID, PAD_ID],
+            [CLS_ID, 42, 43, 44, SEP_ID]]  # cut to 4 tokens like every window
+    windows, offsets = np.array(rows, np.int32), np.array([0, 2, 3, 4, 7])
+    labelled = np.array([0, 2, 3])
+    train = LabelledSplit(np.array(["d0", "d2", "d3"]), np.array(["a", "b", "a"]),
+                          first_windows(windows, offsets, labelled, max_len=4),
+                          EncodedWindows(windows, offsets, labelled))
+    other = LabelledSplit(np.array(["v0", "v1"]), np.array(["a", "b"]), windows[[0, 3], :4])
+    data = LabelledData(["a", "b"], {"train": train, "val": other, "test": other}, {}, 5)
+    seen = []
+
+    class Fake:
+        val_macro_f1, learning_rate, updates_run, best_update = 0.5, 1e-3, 1, 1
+        stages, model = [], None
+
+        def predict(self, ids):
+            return np.zeros(len(ids), np.int64)
+
+    def fake_train(factory, train, val, num_classes, mode, cfg, seed, learning_rate, trainers,
+                   budget_documents):
+        seen.append((train[0].tolist(), train[1].tolist(), budget_documents))
+        return Fake()
+
+    monkeypatch.setattr("selfsup_model.transfer.train_classifier", fake_train)
+    cfg = FinetuneConfig(fractions=(1.0,), learning_rates=(1e-3,), train_windows=train_windows)
+    results, _ = train_neural_methods(data, [NeuralMethod("m", "full", object)], cfg)
+    if train_windows == "all":
+        expected = ([[CLS_ID, 10, SEP_ID, PAD_ID], [CLS_ID, 11, SEP_ID, PAD_ID],
+                     [CLS_ID, 30, SEP_ID, PAD_ID], [CLS_ID, 40, SEP_ID, PAD_ID],
+                     [CLS_ID, 41, SEP_ID, PAD_ID], [CLS_ID, 42, 43, SEP_ID]], [0, 0, 1, 0, 0, 0])
+    else:
+        expected = ([[CLS_ID, 10, SEP_ID, PAD_ID], [CLS_ID, 30, SEP_ID, PAD_ID],
+                     [CLS_ID, 40, SEP_ID, PAD_ID]], [0, 1, 0])
+    assert seen == [(*expected, 3)]  # the budget counts the 3 documents either way
+    (summary,) = results.summaries
+    assert (summary["n_train"], summary["n_train_windows"]) == (3, len(expected[1]))
+
+
+def test_the_probe_trains_on_the_rows_of_its_subsets_documents(monkeypatch):
+    # Six training rows (windows) of three documents; each fraction's logistic regression sees
+    # the rows of its documents with their labels, standardised over those rows alone.
+    train = LabelledSplit(np.array(["d0", "d1", "d2"]), np.array(["a", "b", "a"]),
+                          np.zeros((3, 4), np.int32))
+    other = LabelledSplit(np.array(["v0"]), np.array(["a"]), np.zeros((1, 4), np.int32))
+    data = LabelledData(["a", "b"], {"train": train, "val": other, "test": other}, {}, 4)
+    features = {"train": np.array([[0.0], [2.0], [4.0], [6.0], [8.0], [10.0]], np.float32),
+                "val": np.array([[7.0]], np.float32), "test": np.array([[5.0]], np.float32)}
+    owner = np.array([0, 0, 1, 2, 2, 2])
+    monkeypatch.setattr("selfsup_model.transfer.label_subsets", lambda data, cfg: iter(
+        [(0.5, np.array([1, 2])), (1.0, np.array([0, 1, 2]))]))
+    seen = []
+
+    def fake_logreg(x, y, val_x, val_y, evals, c_grid, what):
+        seen.append((x.ravel().tolist(), list(y), val_x.ravel().tolist()))
+        return types.SimpleNamespace(predictions={"test": ["a"]}, val_macro_f1=1.0,
+                                     params={"C": 1.0}, fit_time_s=0.0, model=None)
+
+    monkeypatch.setattr("selfsup_model.transfer.logreg_on_features", fake_logreg)
+    cfg = FinetuneConfig(fractions=(0.5, 1.0))
+    results = features_probe("probe", data, features, (1.0,), cfg, standardize=True,
+                             train_owner=owner)
+    half, whole = seen
+    s5, s70 = np.sqrt(5.0), np.sqrt(70.0 / 6)  # standard deviations of 4,6,8,10 and 0..10
+    assert half[1] == ["b", "a", "a", "a"] and whole[1] == ["a", "a", "b", "a", "a", "a"]
+    np.testing.assert_allclose(half[0], [(v - 7) / s5 for v in (4, 6, 8, 10)], rtol=1e-6)
+    np.testing.assert_allclose(whole[0], [(v - 5) / s70 for v in (0, 2, 4, 6, 8, 10)], rtol=1e-6)
+    np.testing.assert_allclose([half[2][0], whole[2][0]], [0.0, 2 / s70], rtol=1e-6, atol=1e-7)
+    assert [(r["n_train"], r["n_train_windows"]) for r in results.summaries] == [(2, 4), (3, 6)]
 
 
 def test_a_causal_encoder_fine_tunes_causally_on_bos_eos_windows(monkeypatch):

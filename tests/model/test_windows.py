@@ -1,7 +1,12 @@
 import numpy as np
 
 from selfsup_model.specials import BOS_ID, CLS_ID, EOS_ID, NUM_SPECIAL, PAD_ID, SEP_ID
-from selfsup_model.windows import causal_lm_batch, first_windows, truncate_windows
+from selfsup_model.windows import (
+    causal_lm_batch,
+    document_windows,
+    first_windows,
+    truncate_windows,
+)
 
 
 def test_truncation_keeps_framing_and_leaves_short_rows_alone():
@@ -28,6 +33,30 @@ def test_first_windows_selects_documents_and_cuts_them():
     np.testing.assert_array_equal(out, [[CLS_ID, 10, 11, SEP_ID], [CLS_ID, 30, 31, SEP_ID]])
     assert out.dtype == np.int32
     np.testing.assert_array_equal(first_windows(windows, offsets), windows[[0, 2, 3]])
+
+
+def test_document_windows_reads_every_window_of_the_documents_asked_for(tmp_path):
+    windows = np.array([
+        [CLS_ID, 10, 11, 12, SEP_ID, PAD_ID],  # doc 0, window 0
+        [CLS_ID, 12, 13, SEP_ID, PAD_ID, PAD_ID],  # doc 0, window 1
+        [CLS_ID, 20, SEP_ID, PAD_ID, PAD_ID, PAD_ID],  # doc 1
+        [CLS_ID, 30, 31, 32, 33, SEP_ID],  # doc 2, window 0
+        [CLS_ID, 33, 34, SEP_ID, PAD_ID, PAD_ID],  # doc 2, window 1
+        [CLS_ID, 35, SEP_ID, PAD_ID, PAD_ID, PAD_ID],  # doc 2, window 2
+    ], dtype=np.int32)
+    np.save(tmp_path / "w.npy", windows)
+    mapped = np.load(tmp_path / "w.npy", mmap_mode="r")  # as the classifiers read encode's
+    offsets = np.array([0, 2, 3, 6])
+    out, owner = document_windows(mapped, offsets, np.array([2, 0]), max_len=4)
+    np.testing.assert_array_equal(out, [
+        [CLS_ID, 30, 31, SEP_ID], [CLS_ID, 33, 34, SEP_ID], [CLS_ID, 35, SEP_ID, PAD_ID],
+        [CLS_ID, 10, 11, SEP_ID], [CLS_ID, 12, 13, SEP_ID]])
+    assert owner.tolist() == [0, 0, 0, 1, 1] and out.dtype == np.int32
+    out, owner = document_windows(windows, offsets, np.array([1]))
+    np.testing.assert_array_equal(out, windows[[2]])
+    assert owner.tolist() == [0]
+    out, owner = document_windows(windows, offsets, np.array([], dtype=np.int64))
+    assert out.shape == (0, 6) and owner.shape == (0,)
 
 
 def test_causal_batch_by_hand():
