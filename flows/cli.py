@@ -84,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
         "predict", help="classify new documents with a finished run's classifier",
         description="Classify new documents with the classifier a finished run handed over "
                     "(finetune/classifier.keras, chosen on validation). Text goes through the "
-                    "training path: normalisation, the run's tokenizer, the first window.")
+                    "training path: normalisation, the run's tokenizer, its windows (a "
+                    "document's probabilities are the mean of its windows').")
     predict.add_argument("input", help="a folder of .txt files, a .csv/.jsonl/.parquet table, "
                                        "or - for one document per line on stdin")
     predict.add_argument("--workdir", default=DEFAULT_WORKDIR, help="[default: %(default)s]")

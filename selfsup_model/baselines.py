@@ -26,6 +26,7 @@ from sklearn.linear_model import LogisticRegression
 from selfsup_model.config import BaselineConfig
 from selfsup_model.errors import UserError
 from selfsup_model.metrics import macro_f1
+from selfsup_model.windows import mean_over_documents
 
 _TFIDF = "TF-IDF baseline"
 # The multinomial model sklearn's default (lbfgs) fits, by faster solvers: on sparse TF-IDF
@@ -61,22 +62,28 @@ def logreg_on_features(
     eval_x: Mapping[str, Any],
     c_grid: Sequence[float],
     what: str = "logistic regression",
+    val_owner: np.ndarray | None = None,
+    eval_owners: Mapping[str, np.ndarray] | None = None,
 ) -> LogregResult:
     """Logistic regression on fixed features (n, dim); C chosen by validation macro-F1 only.
 
     Fits `logistic_regression(c)` for each distinct C in ascending order. Ties go
     to the smaller C (stronger regularisation, the simpler model). `eval_x` carry
     no labels: they are predicted once, after the choice. `what` names the caller
-    in error messages.
+    in error messages. `val_owner` / `eval_owners[name]`, when a document has several
+    rows: the document of each row (non-decreasing); a document's prediction is then the
+    class of highest mean probability over its rows, and `val_y` has one label per document.
     """
     train_y, val_y = np.asarray(train_y), np.asarray(val_y)
-    _check_features(what, train_x, train_y, val_x, val_y, eval_x, c_grid)
+    eval_owners = eval_owners or {}
+    _check_features(what, train_x, train_y, val_x,
+                    val_y if val_owner is None else val_y[np.asarray(val_owner)], eval_x, c_grid)
     start = time.perf_counter()
     best: tuple[float, float, LogisticRegression, np.ndarray] | None = None
     grid = []
     for c in sorted(set(c_grid)):
         clf = logistic_regression(c, sparse.issparse(train_x)).fit(train_x, train_y)
-        val_pred = clf.predict(val_x)
+        val_pred = _predict(clf, val_x, val_owner)
         f1 = macro_f1(val_y, val_pred)
         grid.append({"C": float(c), "val_macro_f1": f1})
         if best is None or f1 > best[0]:  # strict: a tie keeps the smaller C
@@ -88,7 +95,7 @@ def logreg_on_features(
         val_macro_f1=f1,
         grid=grid,
         val_predictions=val_pred,
-        predictions={name: _predict(clf, x) for name, x in eval_x.items()},
+        predictions={name: _predict(clf, x, eval_owners.get(name)) for name, x in eval_x.items()},
         fit_time_s=fit_time,
         model=clf,
     )
@@ -174,11 +181,17 @@ def _transform(vectorizer: TfidfVectorizer, texts: Sequence[str]):
     return vectorizer.transform(texts)
 
 
-def _predict(clf: LogisticRegression, x) -> np.ndarray:
-    """Labels for the rows of `x`; zero rows give an empty array (sklearn refuses them)."""
+def _predict(clf: LogisticRegression, x, owner: np.ndarray | None = None) -> np.ndarray:
+    """Labels for the rows of `x`, or with `owner` for the documents that own them (the class
+    of highest mean probability over a document's rows); zero rows give an empty array
+    (sklearn refuses them)."""
     if np.shape(x)[0] == 0:
         return np.asarray([], dtype=clf.classes_.dtype)
-    return clf.predict(x)
+    n_docs = None if owner is None else int(owner[-1]) + 1
+    if n_docs is None or n_docs == len(owner):  # one row per document
+        return clf.predict(x)
+    proba = mean_over_documents(clf.predict_proba(x), owner, n_docs)
+    return clf.classes_[np.argmax(proba, axis=1)]
 
 
 def _check_labelled(what: str, n_train: int, train_y, n_val: int, val_y) -> None:

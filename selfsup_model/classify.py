@@ -20,7 +20,7 @@ from selfsup_model.errors import UserError
 from selfsup_model.layers import TransformerEncoderBlock, derive_seed
 from selfsup_model.saving import serializable
 from selfsup_model.specials import PAD_ID
-from selfsup_model.windows import causal_framing
+from selfsup_model.windows import causal_framing, mean_over_documents
 
 POOLINGS: tuple[str, ...] = ("mean", "cls", "last")
 
@@ -168,9 +168,22 @@ def _predict_rows(model, ids: np.ndarray, batch_size: int, real: np.ndarray | No
     return np.concatenate(out)
 
 
-def predict_classes(model: keras.Model, ids: np.ndarray, batch_size: int = 256) -> np.ndarray:
-    """Arg-max class ids (N,) for token ids (N, L)."""
-    return np.argmax(predict_in_batches(model, ids, batch_size), axis=-1).astype(np.int64)
+def predict_classes(model: keras.Model, ids: np.ndarray, batch_size: int = 256,
+                    owner: np.ndarray | None = None) -> np.ndarray:
+    """Arg-max class ids for token ids (N, L): one per row, or with `owner` (each row's
+    document, non-decreasing) one per document, from the mean of its rows' probabilities."""
+    scores = predict_in_batches(model, ids, batch_size)
+    n_docs = int(owner[-1]) + 1 if owner is not None and len(owner) else 0
+    if owner is not None and n_docs != len(owner):  # else each document owns one row
+        scores = mean_over_documents(softmax(scores), owner, n_docs)
+    return np.argmax(scores, axis=-1).astype(np.int64)
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    """Row-wise softmax of (n, C) logits, in float64 then float32."""
+    z = np.asarray(logits, np.float64)
+    z = np.exp(z - z.max(axis=-1, keepdims=True))
+    return (z / z.sum(axis=-1, keepdims=True)).astype(np.float32)
 
 
 def stratified_subset(labels: Sequence, fraction: float, seed: int) -> np.ndarray:

@@ -177,11 +177,12 @@ class FinetuneConfig(_Section):
     max_len: int | None = Field(
         None, ge=4, description="Classifiers read windows cut to max_len tokens (None: whole "
                                 "windows).")
-    train_windows: Literal["all", "first"] = Field(
-        "all", description="What every classifier trains on. all: every window of each "
-                           "labelled document, each carrying the document's label; first: the "
-                           "first window only. Prediction reads a document's first window "
-                           "either way, and the update budget counts documents.")
+    read_windows: Literal["all", "first"] = Field(
+        "all", description="How every classifier reads a document. all: every window; each "
+                           "trains as a row carrying the document's label, and a document is "
+                           "predicted as the class of highest mean probability over its "
+                           "windows (as `selfsup predict` does). first: the first window "
+                           "only. The update budget counts documents either way.")
     modes: tuple[Literal["probe", "full", "staged"], ...] = ("probe", "full", "staged")
     pooling: Literal["mean", "cls", "last"] = Field(
         "mean", description="mean: over real tokens; cls: the first state (bidirectional "

@@ -92,11 +92,12 @@ class ClassifierResult:
     train_time_s: float
     history: list[dict]  # per validation check: stage, update, val_macro_f1
     stages: list[dict]  # per stage: name, updates, learning_rate, best val macro-F1, kept
-    val_predictions: np.ndarray  # (n_val,) class ids
+    val_predictions: np.ndarray  # (n_val,) class ids, one per validation document
     predictions: dict[str, np.ndarray]  # eval-set name -> (n,) class ids
-    # framed windows (n, L) -> (n,) class ids from the kept weights, through the method's
-    # compiled trainer: for sets only the selected runs need (the caller's test set).
-    predict: Callable[[np.ndarray], np.ndarray]
+    # (windows (m, L), owner (m,) or None) -> class ids, one per document (per row when owner
+    # is None), from the kept weights through the method's compiled trainer: for sets only the
+    # selected runs need (the caller's test set).
+    predict: Callable[..., np.ndarray]
 
 
 def train_classifier(backbone_factory: Callable[[], keras.Model],
@@ -105,7 +106,8 @@ def train_classifier(backbone_factory: Callable[[], keras.Model],
                      learning_rate: float,
                      eval_sets: Mapping[str, np.ndarray] | None = None,
                      trainers: StageTrainers | None = None,
-                     budget_documents: int | None = None) -> ClassifierResult:
+                     budget_documents: int | None = None,
+                     val_owner: np.ndarray | None = None) -> ClassifierResult:
     """Train one classifier in `mode` at one peak learning rate; select on validation only.
 
     `backbone_factory()` returns a fresh backbone per call (full fine-tuning
@@ -115,12 +117,14 @@ def train_classifier(backbone_factory: Callable[[], keras.Model],
     every run of one method, reuses its compiled train and predict steps; a run's
     result does not depend on which runs came before it. `budget_documents`: the documents
     the update budget counts, when `train` holds several windows per document (default: one
-    per row).
+    per row). `val_owner` (one per validation row, non-decreasing): the validation document
+    of each row, when a document has several; its labels are then one per document, and a
+    document's prediction is the class of highest mean probability over its rows.
     """
     if mode not in MODES:
         raise UserError(f"unknown fine-tuning mode {mode!r}; choose one of {', '.join(MODES)}")
     train_ids, train_y = _check_split("train", train, num_classes)
-    val_ids, val_y = _check_split("val", val, num_classes)
+    val_ids, val_y = _check_split("val", val, num_classes, val_owner)
     keras.utils.set_random_seed(seed)
     # The run's own model: its initial weights (and dropout seeds), then the selected ones;
     # with several training processes each holds a whole copy on its own device.
@@ -137,15 +141,15 @@ def train_classifier(backbone_factory: Callable[[], keras.Model],
     budget = update_budget(len(train_y) if budget_documents is None else budget_documents, cfg)
     run = ClassifierRun(model, backbone, (train_ids, train_y), (val_ids, val_y), cfg,
                         np.random.default_rng(seed), eval_every=math.ceil(budget / cfg.evals),
-                        trainers=trainers)
+                        trainers=trainers, val_owner=val_owner)
     start = time.perf_counter()
     for stage in plan_stages(mode, budget, learning_rate, cfg):
         run.train_stage(stage)
     run.restore_best()
 
-    def predict(ids: np.ndarray) -> np.ndarray:
+    def predict(ids: np.ndarray, owner: np.ndarray | None = None) -> np.ndarray:
         check_encoder_length("eval", ids, backbone)
-        return run.predict(encoder_inputs(backbone, ids))
+        return run.predict(encoder_inputs(backbone, ids), owner)
 
     return ClassifierResult(
         model=model, mode=mode, learning_rate=learning_rate,
@@ -197,17 +201,18 @@ class StageTrainers:
         return self._models[kind]
 
     def predict(self, kind: str, trainer: keras.Model, ids: np.ndarray,
-                cfg: FinetuneConfig) -> np.ndarray:
-        """Class ids of `ids` from the current weights of `kind`'s trainer."""
+                cfg: FinetuneConfig, owner: np.ndarray | None = None) -> np.ndarray:
+        """Class ids of `ids` (per document with `owner`, see `predict_classes`) from the
+        current weights of `kind`'s trainer."""
         if process_count() == 1:
-            return predict_classes(trainer, ids, cfg.eval_batch_size)
+            return predict_classes(trainer, ids, cfg.eval_batch_size, owner)
         if kind not in self._local:
             with no_distribution():  # built alike, uncompiled: inference only
                 self._local[kind] = keras.Model.from_config(trainer.get_config())
         local = self._local[kind]
         local.set_weights(trainer.get_weights())  # each process reads its own replica
         with no_distribution():
-            return predict_classes(local, ids, cfg.eval_batch_size)
+            return predict_classes(local, ids, cfg.eval_batch_size, owner)
 
     def features(self, model: keras.Model, ids: np.ndarray, cfg: FinetuneConfig) -> np.ndarray:
         """Pooled features of the frozen encoder of `model` (the run's own) for `ids`, cached
@@ -239,25 +244,27 @@ class ClassifierRun:
     """
 
     def __init__(self, model, backbone, train, val, cfg: FinetuneConfig, rng: np.random.Generator,
-                 eval_every: int, trainers: StageTrainers | None = None):
+                 eval_every: int, trainers: StageTrainers | None = None,
+                 val_owner: np.ndarray | None = None):
         # Validation every `eval_every` updates, whatever the mode: staged runs get as many
         # checks (and as much selection) over the same budget as full ones, not three times more.
         self.model, self.backbone, self.cfg, self.rng = model, backbone, cfg, rng
         self.trainers = trainers if trainers is not None else StageTrainers()
         self.eval_every = max(1, eval_every)
         (self.train_ids, self.train_y), (self.val_ids, self.val_y) = train, val
+        self.val_owner = val_owner  # the document of each validation row (None: one row each)
         self.updates, self.best_update, self.best_f1 = 0, 0, -1.0
         self.best_weights: list[np.ndarray] | None = None
         self.best_val_pred = np.zeros(len(self.val_y), np.int64)
         self.history: list[dict] = []
         self.stages: list[dict] = []
 
-    def predict(self, ids: np.ndarray) -> np.ndarray:
+    def predict(self, ids: np.ndarray, owner: np.ndarray | None = None) -> np.ndarray:
         """Class ids from the run's current weights (through the compiled ``all`` trainer, or
         this process's copy of it, `StageTrainers.predict`)."""
         trainer = self.trainers.trainer("all", self.model, self.cfg)
         copy_state(self.model, trainer)
-        return self.trainers.predict("all", trainer, ids, self.cfg)
+        return self.trainers.predict("all", trainer, ids, self.cfg, owner)
 
     def restore_best(self) -> None:
         if self.best_weights is not None:
@@ -284,7 +291,7 @@ class ClassifierRun:
             trainer.fit(x_train[idx], self.train_y[idx], batch_size=rows.shape[1], epochs=1,
                         shuffle=False, verbose=0)
             self.updates += len(rows)
-            val_pred = self.trainers.predict(stage.name, trainer, x_val, self.cfg)
+            val_pred = self.trainers.predict(stage.name, trainer, x_val, self.cfg, self.val_owner)
             f1 = macro_f1(self.val_y, val_pred)
             self.history.append({"stage": stage.name, "update": self.updates, "val_macro_f1": f1})
             stage_best = max(stage_best, f1)
@@ -371,12 +378,19 @@ def _set_trainable(backbone: keras.Model, kind: str, top_blocks: int) -> None:
             layer.trainable = layer.name in top
 
 
-def _check_split(name: str, split: tuple[np.ndarray, np.ndarray], num_classes: int):
+def _check_split(name: str, split: tuple[np.ndarray, np.ndarray], num_classes: int,
+                 owner: np.ndarray | None = None):
     ids, y = np.asarray(split[0]), np.asarray(split[1])
     if ids.ndim != 2 or len(ids) == 0:
         raise UserError(f"{name} ids must be a non-empty (n_docs, max_len) array "
                         f"(got shape {ids.shape})")
-    if len(y) != len(ids):
+    if owner is not None:
+        owner = np.asarray(owner)
+        if (len(owner) != len(ids) or np.any(np.diff(owner) < 0)
+                or not np.array_equal(np.unique(owner), np.arange(len(y)))):
+            raise UserError(f"{name}: each of its {len(ids)} windows needs its document, in "
+                            f"order, and each of its {len(y)} documents a window")
+    elif len(y) != len(ids):
         raise UserError(f"{name} has {len(ids)} sequences but {len(y)} labels")
     if not np.issubdtype(y.dtype, np.integer) or y.min() < 0 or y.max() >= num_classes:
         raise UserError(f"{name} labels must be class ids in [0, {num_classes})")

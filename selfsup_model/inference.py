@@ -8,13 +8,16 @@ It writes a bundle beside it, so inference needs nothing else from the run:
     classifier.keras   ids (B, L) -> class logits (B, C)
     tokenizer.json     the tokenizer the encoder was trained with
     classifier.json    labels in class order, how text becomes ids (encode
-                       settings, classifier length, causal framing), what was
+                       settings, classifier length, causal framing, windows
+                       read), what was
                        kept and why, and the sha256 of the two files above
 
 New text takes the training path exactly: `normalize_document`, the run's
-tokenizer, `encode_split` (each document's first window only), the classifier's
-length and framing. Loading checks both hashes before opening anything, and
-opens the Keras file with `safe_mode=True`.
+tokenizer, `encode_split`, the classifier's length and framing, and the run's
+reading of a document (`finetune.read_windows`): every window, a document's
+probabilities the mean of its windows', or the first window only. Loading
+checks both hashes before opening anything, and opens the Keras file with
+`safe_mode=True`.
 """
 
 from __future__ import annotations
@@ -37,14 +40,20 @@ from selfsup_model.artifacts import (
     sha256_file,
     verify_outputs,
 )
-from selfsup_model.classify import build_pooling, frame_windows, is_causal, predict_in_batches
+from selfsup_model.classify import (
+    build_pooling,
+    frame_windows,
+    is_causal,
+    predict_in_batches,
+    softmax,
+)
 from selfsup_model.config import EncodeConfig
 from selfsup_model.encoding import encode_split
 from selfsup_model.errors import ArtifactError, UserError
 from selfsup_model.ingest import normalize_document
 from selfsup_model.saving import load_keras_model
 from selfsup_model.tokenization import load_tokenizer
-from selfsup_model.windows import first_windows
+from selfsup_model.windows import document_windows, first_windows, mean_over_documents
 
 CLASSIFIER_FILE = "classifier.keras"
 TOKENIZER_FILE = "tokenizer.json"
@@ -105,7 +114,7 @@ def probe_classifier(backbone: keras.Model, pooling: str, model: Any, mean: np.n
 
 def write_bundle(out_dir: Path, kept: KeptCandidate, model: keras.Model, tokenizer_path: Path,
                  classes: Sequence[str], encode: EncodeConfig, max_len: int | None,
-                 pooling: str, backbone: keras.Model) -> list[str]:
+                 pooling: str, backbone: keras.Model, read_windows: str = "all") -> list[str]:
     """Write classifier.keras, tokenizer.json and classifier.json (last); return their names."""
     out_dir = Path(out_dir)
     save_keras_atomic(model, out_dir / CLASSIFIER_FILE)
@@ -120,6 +129,7 @@ def write_bundle(out_dir: Path, kept: KeptCandidate, model: keras.Model, tokeniz
         "classes": list(classes),
         "encode": encode.model_dump(mode="json"),
         "max_len": max_len,
+        "read_windows": read_windows,
         "pooling": pooling,
         "objective": "clm" if is_causal(backbone) else "mlm",
         "causal": is_causal(backbone),
@@ -136,7 +146,8 @@ def write_no_classifier(out_dir: Path, reason: str) -> list[str]:
 
 @dataclasses.dataclass(frozen=True)
 class EncodedTexts:
-    ids: np.ndarray  # (k, L) int32 framed classifier inputs of the texts that have tokens
+    ids: np.ndarray  # (m, L) int32 framed classifier inputs: windows of the texts with tokens
+    owner: np.ndarray  # (m,) int64 the kept text of each row (its position in `kept`)
     kept: np.ndarray  # (k,) int64 indices into the texts
     empty: np.ndarray  # (e,) int64 indices of texts with no tokens
 
@@ -149,9 +160,12 @@ class ClassifierBundle:
         self.directory, self.spec, self.model, self.tokenizer = (
             Path(directory), spec, model, tokenizer)
         self.classes: list[str] = list(spec["classes"])
-        # Each document's first window only: the first window does not depend on how many follow.
-        self.encode = EncodeConfig(**spec["encode"]).model_copy(
-            update={"max_windows_per_doc": 1})
+        # A bundle from before `read_windows` read first windows only.
+        self.every_window = spec.get("read_windows", "first") == "all"
+        # The first window does not depend on how many follow: read no more than that.
+        self.encode = EncodeConfig(**spec["encode"])
+        if not self.every_window:
+            self.encode = self.encode.model_copy(update={"max_windows_per_doc": 1})
 
     @classmethod
     def load(cls, directory: str | Path) -> ClassifierBundle:
@@ -171,8 +185,14 @@ class ClassifierBundle:
         """Texts -> framed classifier inputs, by the training path (see the module docstring)."""
         normalised = [normalize_document(t) for t in texts]
         enc = encode_split(self.tokenizer, normalised, self.encode)
-        windows = first_windows(enc.windows, enc.doc_offsets, None, self.spec["max_len"])
-        return EncodedTexts(frame_windows(windows, self.spec["causal"]), enc.kept, enc.empty)
+        if self.every_window:
+            windows, owner = document_windows(enc.windows, enc.doc_offsets,
+                                              np.arange(len(enc.kept)), self.spec["max_len"])
+        else:
+            windows = first_windows(enc.windows, enc.doc_offsets, None, self.spec["max_len"])
+            owner = np.arange(len(windows), dtype=np.int64)
+        return EncodedTexts(frame_windows(windows, self.spec["causal"]), owner, enc.kept,
+                            enc.empty)
 
     def predict_proba(self, texts: Sequence[str], batch_size: int = 256,
                       progress: Callable[[int, int], None] | None = None
@@ -182,8 +202,8 @@ class ClassifierBundle:
         probs, kept = [], []
         for start in range(0, len(texts), _CHUNK_DOCS):
             enc = self.encode_texts(texts[start : start + _CHUNK_DOCS])
-            logits = predict_in_batches(self.model, enc.ids, batch_size)  # (k, C)
-            probs.append(softmax(logits))
+            logits = predict_in_batches(self.model, enc.ids, batch_size)  # (m, C)
+            probs.append(mean_over_documents(softmax(logits), enc.owner, len(enc.kept)))
             kept.append(enc.kept + start)
             if progress is not None:
                 progress(min(start + _CHUNK_DOCS, len(texts)), len(texts))
@@ -238,9 +258,3 @@ def read_spec(directory: str | Path) -> dict[str, Any]:
         raise UserError(f"this run has no classifier: {spec['skipped']}")
     return spec
 
-
-def softmax(logits: np.ndarray) -> np.ndarray:
-    """Row-wise softmax of (n, C) logits, in float64 then float32."""
-    z = np.asarray(logits, np.float64)
-    z = np.exp(z - z.max(axis=-1, keepdims=True))
-    return (z / z.sum(axis=-1, keepdims=True)).astype(np.float32)

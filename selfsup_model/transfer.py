@@ -57,19 +57,17 @@ class LabelledSplit:
     windows: np.ndarray  # (n, L) int32: each document's first (truncated) window
     encoded: EncodedWindows | None = None  # None: the first window is all there is
 
-    def training_windows(self, docs: np.ndarray, every_window: bool = True,
-                         ) -> tuple[np.ndarray, np.ndarray]:
-        """What a classifier trains on for documents `docs` (indices into this split):
-        (windows (m, L) int32, the document of each row (m,)). Every window of each document,
-        cut like the first, in document order; or only the first windows, when `every_window`
-        is False or the split has no encoded windows."""
+    def windows_of(self, docs: np.ndarray, every_window: bool = True,
+                   ) -> tuple[np.ndarray, np.ndarray]:
+        """What a classifier reads of documents `docs` (indices into this split): (windows
+        (m, L) int32, the position in `docs` of each row's document (m,), non-decreasing).
+        Every window of each document, cut like the first; or only the first windows, when
+        `every_window` is False or the split has no encoded windows."""
         docs = np.asarray(docs, dtype=np.int64)
         if not every_window or self.encoded is None:
-            return self.windows[docs], docs
+            return self.windows[docs], np.arange(len(docs), dtype=np.int64)
         enc = self.encoded
-        windows, owner = document_windows(enc.windows, enc.offsets, enc.rows[docs],
-                                          self.windows.shape[1])
-        return windows, docs[owner]
+        return document_windows(enc.windows, enc.offsets, enc.rows[docs], self.windows.shape[1])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,14 +211,19 @@ def train_neural_methods(data: LabelledData, methods: Sequence[NeuralMethod], cf
 def _train_neural_methods(data: LabelledData, methods: Sequence[NeuralMethod],
                           cfg: FinetuneConfig) -> tuple[MethodResults, dict[str, ClassifierResult]]:
     train, y_train, y_val = data.splits["train"], data.y("train"), data.y("val")
-    val_known = y_val >= 0  # selection can only score labels the model can predict
-    val = (data.splits["val"].windows[val_known], y_val[val_known])
-    test = data.splits["test"].windows
+    every = cfg.read_windows == "all"
+    # selection can only score labels the model can predict
+    val_docs = np.flatnonzero(y_val >= 0)
+    val_windows, val_owner = data.splits["val"].windows_of(val_docs, every)
+    val = (val_windows, y_val[val_docs])
+    test = data.splits["test"]
+    test_windows, test_owner = test.windows_of(np.arange(len(test.ids)), every)
     out, kept = MethodResults(), {}
     largest = max(cfg.fractions)
     trainers = {method.name: StageTrainers() for method in methods}  # compiled once per method
     for fraction, subset in label_subsets(data, cfg):
-        windows, owner = train.training_windows(subset, cfg.train_windows == "all")
+        windows, owner = train.windows_of(subset, every)
+        y_windows = y_train[subset][owner]
         for method in methods:
             log.info("%s at label fraction %g: %d training documents, %d windows", method.name,
                      fraction, len(subset), len(windows))
@@ -231,11 +234,11 @@ def _train_neural_methods(data: LabelledData, methods: Sequence[NeuralMethod],
             schedule = [(first, lr) for lr in cfg.learning_rates] + [(s, None) for s in repeats]
             best = None
             for seed, lr in schedule:  # lr None: the rate the first seed's grid chose
-                res = train_classifier(method.factory, (windows, y_train[owner]),
+                res = train_classifier(method.factory, (windows, y_windows),
                                        val, len(data.classes), method.mode, cfg, seed,
                                        lr if lr is not None else best.learning_rate,
                                        trainers=trainers[method.name],
-                                       budget_documents=len(subset))
+                                       budget_documents=len(subset), val_owner=val_owner)
                 grid.append({"seed": seed, "learning_rate": res.learning_rate,
                              "val_macro_f1": res.val_macro_f1, "updates_run": res.updates_run})
                 if seed != first:
@@ -244,7 +247,8 @@ def _train_neural_methods(data: LabelledData, methods: Sequence[NeuralMethod],
                     best = res
             per_seed.insert(0, (first, best))
             # Test predictions only for the rate validation chose: the others are never read.
-            per_seed = [(seed, res, res.predict(test)) for seed, res in per_seed]
+            per_seed = [(seed, res, res.predict(test_windows, test_owner))
+                        for seed, res in per_seed]
             for seed, _, predicted in per_seed:
                 out.add_seed(method.name, fraction, seed, data, predicted)
             # the seed best on validation; the first on ties
@@ -280,18 +284,20 @@ def frozen_probe(name: str, data: LabelledData, backbone_factory: BackboneFactor
     mode, standardised on each training subset), C tuned on validation; also the fit at the
     largest fraction."""
     t0 = time.perf_counter()
-    # the training windows of every document some fraction trains on, each computed once
+    # the windows of every training document some fraction uses, each computed once
     used = np.unique(np.concatenate([subset for _, subset in label_subsets(data, cfg)]))
-    train_windows, owner = data.splits["train"].training_windows(used, cfg.train_windows == "all")
-    inputs = {"train": train_windows, "val": data.splits["val"].windows,
-              "test": data.splits["test"].windows}
+    read = {"train": used, **{s: np.arange(len(data.splits[s].ids)) for s in ("val", "test")}}
+    inputs = {s: data.splits[s].windows_of(docs, cfg.read_windows == "all")
+              for s, docs in read.items()}
     with data_parallel_scope(cfg.eval_batch_size, "frozen features", across_processes=False):
         backbone = backbone_factory()
-        features = {split: frozen_features(backbone, inputs[split], cfg.pooling,
+        features = {split: frozen_features(backbone, inputs[split][0], cfg.pooling,
                                            cfg.eval_batch_size) for split in SPLITS}
+    owners = {s: inputs[s][1] for s in SPLITS}
+    owners["train"] = used[owners["train"]]  # training rows name their training document
     fits: list[ProbeFit] = []
     results = features_probe(name, data, features, cfg.probe_c, cfg, time.perf_counter() - t0,
-                             standardize=True, fits=fits, train_owner=owner)
+                             standardize=True, fits=fits, owners=owners)
     return results, (fits[-1] if fits else None)
 
 
@@ -340,12 +346,13 @@ def features_probe(method: str, data: LabelledData, features: Mapping[str, np.nd
                    c_grid: Sequence[float], finetune: FinetuneConfig,
                    feature_time_s: float = 0.0, standardize: bool = False,
                    fits: list[ProbeFit] | None = None,
-                   train_owner: np.ndarray | None = None) -> MethodResults:
+                   owners: Mapping[str, np.ndarray] | None = None) -> MethodResults:
     """Logistic regression on fixed features (split -> (rows, d)), C tuned on validation.
 
-    Validation and test have one row per document. Training rows belong to the training
-    documents `train_owner` names (one row per training document when None); a fraction
-    trains on the rows of its subset's documents, each with its document's label.
+    Without `owners` each split has one row per document. With them, `owners[split]` gives
+    the document of each row (non-decreasing): a fraction trains on the rows of its subset's
+    documents, each with its document's label, and a validation or test document is
+    predicted as the class of highest mean probability over its rows.
     The features are computed once for all fractions; `feature_time_s`, their
     cost, is added to every fraction's training time and shown beside it. With
     `standardize`, each feature is centred and scaled by its mean and standard
@@ -354,7 +361,8 @@ def features_probe(method: str, data: LabelledData, features: Mapping[str, np.nd
     """
     out = MethodResults()
     train, val = data.splits["train"], data.splits["val"]
-    owner = np.arange(len(train.ids)) if train_owner is None else np.asarray(train_owner)
+    owners = owners or {}
+    owner = np.asarray(owners.get("train", np.arange(len(train.ids))))
     largest = max(finetune.fractions)
     for fraction, subset in label_subsets(data, finetune):
         rows = np.isin(owner, subset)
@@ -366,7 +374,9 @@ def features_probe(method: str, data: LabelledData, features: Mapping[str, np.nd
             scale = np.where(std > 0, std, 1.0).astype(np.float32)
             x = {split: (v - mean) / scale for split, v in x.items()}
         res = logreg_on_features(x["train"], train.labels[owner[rows]], x["val"], val.labels,
-                                 {"test": x["test"]}, c_grid, what=method)
+                                 {"test": x["test"]}, c_grid, what=method,
+                                 val_owner=owners.get("val"),
+                                 eval_owners={"test": owners["test"]} if "test" in owners else None)
         if fits is not None and fraction == largest:
             fits.append(ProbeFit(res.model, mean, scale, res.val_macro_f1))
         out.add(method, fraction, data, np.asarray(res.predictions["test"], dtype=str), {

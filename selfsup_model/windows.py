@@ -3,7 +3,8 @@
 A window is one row of `encode`'s output: `[CLS] content [SEP]` right-padded
 with [PAD]. Pretraining, evaluation and classification all start from such
 rows, so the ways of reading them live here once: the causal shift, a document's
-first window cut to a classifier's length, and all of a document's windows.
+first window cut to a classifier's length, all of a document's windows, and the
+mean of per-window outputs over each document.
 """
 
 from __future__ import annotations
@@ -79,3 +80,22 @@ def document_windows(windows: np.ndarray, doc_offsets: np.ndarray, docs: np.ndar
     begin = np.cumsum(counts) - counts
     rows = starts[owner] + np.arange(len(owner), dtype=np.int64) - begin[owner]
     return truncate_windows(np.asarray(windows[rows], dtype=np.int32), max_len), owner
+
+
+def mean_over_documents(values: np.ndarray, owner: np.ndarray, n_docs: int) -> np.ndarray:
+    """(n_docs, ...) mean of the rows of `values` (m, ...) each document owns; `owner` (m,)
+    gives each row's document, in non-decreasing order (as `document_windows` returns them for
+    documents in order), and every document owns at least one row."""
+    values, owner = np.asarray(values), np.asarray(owner, dtype=np.int64)
+    if len(owner) != len(values) or (len(owner) and np.any(np.diff(owner) < 0)):
+        raise ValueError("owner must give each row's document, in non-decreasing order")
+    starts = np.searchsorted(owner, np.arange(n_docs))
+    counts = np.diff(np.append(starts, len(owner)))
+    if n_docs and (counts.min() == 0 or owner[-1] >= n_docs):
+        raise ValueError(f"every one of {n_docs} documents must own at least one row, "
+                         "and no row another document")
+    if n_docs == 0:
+        return np.zeros((0, *values.shape[1:]), values.dtype)
+    sums = np.add.reduceat(values.astype(np.float64, copy=False), starts, axis=0)
+    shape = (n_docs,) + (1,) * (values.ndim - 1)
+    return (sums / counts.reshape(shape)).astype(values.dtype, copy=False)

@@ -84,11 +84,12 @@ def time_split(seconds: dict[str, float]) -> str:
 
 def _reads(config: PipelineConfig) -> str:
     tokens = config.finetune.max_len or config.encode.max_len
-    trains = ("every window of each labelled document, each with the document's label"
-              if config.finetune.train_windows == "all" else "each document's first window")
-    return (f"neural methods and the linear probe: windows of up to {tokens} tokens; they "
-            f"train on {trains}, and predict from a document's first window. TF-IDF and sentence "
-            "embeddings: the document text (the sentence model truncates at its own limit)")
+    how = ("every window of a document: each trains with the document's label, and a "
+           "document's prediction is the class of highest mean probability over its windows"
+           if config.finetune.read_windows == "all" else "each document's first window")
+    return (f"neural methods and the linear probe: windows of up to {tokens} tokens, "
+            f"{how}. TF-IDF and sentence embeddings: the document text (the sentence model "
+            "truncates at its own limit)")
 
 
 def _protocol(cfg) -> str:

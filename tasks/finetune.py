@@ -63,7 +63,7 @@ def compute(ctx: RunContext, out: Path, inputs: dict[str, Path]) -> StageOutput:
         chosen = choose_kept(candidates)
         files += write_bundle(out, chosen, chosen.build(), inputs["tokenizer/tokenizer.json"],
                               data.classes, ctx.config.encode, cfg.max_len, cfg.pooling,
-                              pretrained())
+                              pretrained(), cfg.read_windows)
         ctx.log_classifier(out)  # an MLflow model of this stage's run, registered
         counts["kept_classifier"] = chosen.method
         metrics["kept_classifier/val_macro_f1"] = chosen.val_macro_f1

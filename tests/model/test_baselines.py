@@ -149,3 +149,20 @@ def test_logreg_on_features_tie_keeps_smaller_c_and_rejects_bad_input():
     # An empty eval set is fine: it gets an empty prediction of the labels' dtype.
     empty = logreg_on_features(tr, tr_y, tr, tr_y, {"none": []}, (1.0,)).predictions["none"]
     assert empty.shape == (0,) and empty.dtype == tr_y.dtype
+
+
+def test_logreg_predicts_a_document_from_the_mean_probability_of_its_rows():
+    # 1-D features, "a" below zero and "b" above. Validation document 0 owns one row that is
+    # clearly "a" and two that lean "b": its mean probability says "a", though most rows (and
+    # its last) say "b". Document 1 owns one row.
+    train_x = np.array([[-2.0], [-1.0], [1.0], [2.0]])
+    train_y = ["a", "a", "b", "b"]
+    val_x = np.array([[-10.0], [0.2], [0.2], [3.0]])
+    owner = np.array([0, 0, 0, 1])
+    res = logreg_on_features(train_x, train_y, val_x, ["a", "b"], {"test": val_x}, (1.0,),
+                             val_owner=owner, eval_owners={"test": owner})
+    p_b = res.model.predict_proba(val_x)[:, 1]
+    assert p_b[0] < 0.01 and 0.5 < p_b[1] < 0.75  # the rows vote b, b over a ...
+    assert res.model.predict(val_x).tolist() == ["a", "b", "b", "b"]
+    assert res.predictions["test"].tolist() == ["a", "b"]  # ... the mean says a
+    assert res.val_predictions.tolist() == ["a", "b"] and res.val_macro_f1 == 1.0

@@ -162,11 +162,11 @@ def test_other_seeds_repeat_the_rate_the_first_seeds_grid_chose(monkeypatch):
             self.updates_run = self.best_update = 1
             self.stages, self.model = [], None
 
-        def predict(self, ids):
+        def predict(self, ids, owner=None):
             return np.zeros(len(ids), np.int64)
 
     def fake_train(factory, train, val, num_classes, mode, cfg, seed, learning_rate, trainers,
-                   budget_documents):
+                   budget_documents, val_owner):
         calls.append((seed, learning_rate))
         return Fake(seed, learning_rate)
 
@@ -188,12 +188,12 @@ def test_every_neural_method_gets_the_same_grid_budget_and_subsets(monkeypatch):
             self.updates_run = self.best_update = 1
             self.stages, self.model = [], None
 
-        def predict(self, ids):
+        def predict(self, ids, owner=None):
             predicted.append((len(ids), self.learning_rate))
             return np.zeros(len(ids), np.int64)
 
     def fake_train(factory, train, val, num_classes, mode, cfg, seed, learning_rate, trainers,
-                   budget_documents):
+                   budget_documents, val_owner):
         assert budget_documents == len(train[1])  # one window per document here
         calls.append((factory(), mode, len(train[1]), tuple(train[1]), cfg, seed, learning_rate))
         return Fake(learning_rate)
@@ -226,48 +226,56 @@ def test_every_neural_method_gets_the_same_grid_budget_and_subsets(monkeypatch):
     assert predicted == [(6, 3e-3)] * 4 * (2 + 1)
 
 
-@pytest.mark.parametrize("train_windows", ["all", "first"])
-def test_classifiers_train_on_every_window_of_their_documents(monkeypatch, train_windows):
-    # Encode's windows of four training documents; the second is unlabelled. Each row's first
-    # token names it: document 0 owns rows 10 and 11, document 2 row 30, document 3 rows 40-42.
+@pytest.mark.parametrize("read_windows", ["all", "first"])
+def test_classifiers_read_every_window_of_their_documents(monkeypatch, read_windows):
+    # Encode's windows of four documents; the second is unlabelled. Each row's first token
+    # names it: document 0 owns rows 10 and 11, document 2 row 30, document 3 rows 40-42. The
+    # same documents serve as training, validation and test split.
     rows = [[CLS_ID, 10, SEP_ID, PAD_ID, PAD_ID], [CLS_ID, 11, SEP_ID, PAD_ID, PAD_ID],
             [CLS_ID, 20, SEP_ID, PAD_ID, PAD_ID], [CLS_ID, 30, SEP_ID, PAD_ID, PAD_ID],
             [CLS_ID, 40, SEP_ID, PAD_ID, PAD_ID], [CLS_ID, 41, SEP_ID, PAD_ID, PAD_ID],
             [CLS_ID, 42, 43, 44, SEP_ID]]  # cut to 4 tokens like every window
     windows, offsets = np.array(rows, np.int32), np.array([0, 2, 3, 4, 7])
     labelled = np.array([0, 2, 3])
-    train = LabelledSplit(np.array(["d0", "d2", "d3"]), np.array(["a", "b", "a"]),
+    split = LabelledSplit(np.array(["d0", "d2", "d3"]), np.array(["a", "b", "a"]),
                           first_windows(windows, offsets, labelled, max_len=4),
                           EncodedWindows(windows, offsets, labelled))
-    other = LabelledSplit(np.array(["v0", "v1"]), np.array(["a", "b"]), windows[[0, 3], :4])
-    data = LabelledData(["a", "b"], {"train": train, "val": other, "test": other}, {}, 5)
-    seen = []
+    data = LabelledData(["a", "b"], {"train": split, "val": split, "test": split}, {}, 5)
+    seen, tested = [], []
 
     class Fake:
         val_macro_f1, learning_rate, updates_run, best_update = 0.5, 1e-3, 1, 1
         stages, model = [], None
 
-        def predict(self, ids):
-            return np.zeros(len(ids), np.int64)
+        def predict(self, ids, owner=None):
+            tested.append((ids.tolist(), owner.tolist()))
+            return np.zeros(owner[-1] + 1, np.int64)
 
     def fake_train(factory, train, val, num_classes, mode, cfg, seed, learning_rate, trainers,
-                   budget_documents):
-        seen.append((train[0].tolist(), train[1].tolist(), budget_documents))
+                   budget_documents, val_owner):
+        seen.append((train[0].tolist(), train[1].tolist(), budget_documents, val[0].tolist(),
+                     val[1].tolist(), val_owner.tolist()))
         return Fake()
 
     monkeypatch.setattr("selfsup_model.transfer.train_classifier", fake_train)
-    cfg = FinetuneConfig(fractions=(1.0,), learning_rates=(1e-3,), train_windows=train_windows)
+    cfg = FinetuneConfig(fractions=(1.0,), learning_rates=(1e-3,), read_windows=read_windows)
     results, _ = train_neural_methods(data, [NeuralMethod("m", "full", object)], cfg)
-    if train_windows == "all":
-        expected = ([[CLS_ID, 10, SEP_ID, PAD_ID], [CLS_ID, 11, SEP_ID, PAD_ID],
-                     [CLS_ID, 30, SEP_ID, PAD_ID], [CLS_ID, 40, SEP_ID, PAD_ID],
-                     [CLS_ID, 41, SEP_ID, PAD_ID], [CLS_ID, 42, 43, SEP_ID]], [0, 0, 1, 0, 0, 0])
+    if read_windows == "all":
+        read = [[CLS_ID, 10, SEP_ID, PAD_ID], [CLS_ID, 11, SEP_ID, PAD_ID],
+                [CLS_ID, 30, SEP_ID, PAD_ID], [CLS_ID, 40, SEP_ID, PAD_ID],
+                [CLS_ID, 41, SEP_ID, PAD_ID], [CLS_ID, 42, 43, SEP_ID]]
+        owner = [0, 0, 1, 2, 2, 2]
     else:
-        expected = ([[CLS_ID, 10, SEP_ID, PAD_ID], [CLS_ID, 30, SEP_ID, PAD_ID],
-                     [CLS_ID, 40, SEP_ID, PAD_ID]], [0, 1, 0])
-    assert seen == [(*expected, 3)]  # the budget counts the 3 documents either way
+        read = [[CLS_ID, 10, SEP_ID, PAD_ID], [CLS_ID, 30, SEP_ID, PAD_ID],
+                [CLS_ID, 40, SEP_ID, PAD_ID]]
+        owner = [0, 1, 2]
+    # training rows carry their document's label; the budget counts the 3 documents either way;
+    # validation and test are read alike, one label and one prediction per document
+    labels = [[0, 1, 0][d] for d in owner]
+    assert seen == [(read, labels, 3, read, [0, 1, 0], owner)]
+    assert tested == [(read, owner)]
     (summary,) = results.summaries
-    assert (summary["n_train"], summary["n_train_windows"]) == (3, len(expected[1]))
+    assert (summary["n_train"], summary["n_train_windows"]) == (3, len(owner))
 
 
 def test_the_probe_trains_on_the_rows_of_its_subsets_documents(monkeypatch):
@@ -278,13 +286,14 @@ def test_the_probe_trains_on_the_rows_of_its_subsets_documents(monkeypatch):
     other = LabelledSplit(np.array(["v0"]), np.array(["a"]), np.zeros((1, 4), np.int32))
     data = LabelledData(["a", "b"], {"train": train, "val": other, "test": other}, {}, 4)
     features = {"train": np.array([[0.0], [2.0], [4.0], [6.0], [8.0], [10.0]], np.float32),
-                "val": np.array([[7.0]], np.float32), "test": np.array([[5.0]], np.float32)}
+                "val": np.array([[7.0], [7.0]], np.float32), "test": np.array([[5.0]], np.float32)}
     owner = np.array([0, 0, 1, 2, 2, 2])
     monkeypatch.setattr("selfsup_model.transfer.label_subsets", lambda data, cfg: iter(
         [(0.5, np.array([1, 2])), (1.0, np.array([0, 1, 2]))]))
     seen = []
 
-    def fake_logreg(x, y, val_x, val_y, evals, c_grid, what):
+    def fake_logreg(x, y, val_x, val_y, evals, c_grid, what, val_owner, eval_owners):
+        assert val_owner.tolist() == [0, 0] and eval_owners["test"].tolist() == [0]
         seen.append((x.ravel().tolist(), list(y), val_x.ravel().tolist()))
         return types.SimpleNamespace(predictions={"test": ["a"]}, val_macro_f1=1.0,
                                      params={"C": 1.0}, fit_time_s=0.0, model=None)
@@ -292,13 +301,15 @@ def test_the_probe_trains_on_the_rows_of_its_subsets_documents(monkeypatch):
     monkeypatch.setattr("selfsup_model.transfer.logreg_on_features", fake_logreg)
     cfg = FinetuneConfig(fractions=(0.5, 1.0))
     results = features_probe("probe", data, features, (1.0,), cfg, standardize=True,
-                             train_owner=owner)
+                             owners={"train": owner, "val": np.array([0, 0]),
+                                     "test": np.array([0])})
     half, whole = seen
     s5, s70 = np.sqrt(5.0), np.sqrt(70.0 / 6)  # standard deviations of 4,6,8,10 and 0..10
     assert half[1] == ["b", "a", "a", "a"] and whole[1] == ["a", "a", "b", "a", "a", "a"]
     np.testing.assert_allclose(half[0], [(v - 7) / s5 for v in (4, 6, 8, 10)], rtol=1e-6)
     np.testing.assert_allclose(whole[0], [(v - 5) / s70 for v in (0, 2, 4, 6, 8, 10)], rtol=1e-6)
-    np.testing.assert_allclose([half[2][0], whole[2][0]], [0.0, 2 / s70], rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose([half[2], whole[2]], [[0.0, 0.0], [2 / s70] * 2], rtol=1e-6,
+                               atol=1e-7)
     assert [(r["n_train"], r["n_train_windows"]) for r in results.summaries] == [(2, 4), (3, 6)]
 
 

@@ -95,9 +95,28 @@ def test_bundle_round_trip_and_spec(bundle_dir):
     probs, kept = bundle.predict_proba(["the heron waits", "   ", "salmon swim"])
     assert kept.tolist() == [0, 2]  # the blank text has no tokens: left out, not guessed
     assert probs.shape == (2, 2) and np.allclose(probs.sum(axis=1), 1.0, atol=1e-6)
-    # First window only, whatever the run's max_windows_per_doc: a long text is one row.
-    enc = bundle.encode_texts(["birds fly south " * 40])
-    assert enc.ids.shape == (1, 16)
+    # Every window, up to the run's max_windows_per_doc: a long text is three rows, and its
+    # probabilities the mean of theirs.
+    assert spec["read_windows"] == "all"
+    long = ["birds fly south " * 40]
+    enc = bundle.encode_texts(long)
+    assert enc.ids.shape == (3, 16) and enc.owner.tolist() == [0, 0, 0]
+    per_window = softmax(np.asarray(bundle.model.predict_on_batch(enc.ids)))
+    probs, kept = bundle.predict_proba(long)
+    assert kept.tolist() == [0]
+    np.testing.assert_allclose(probs, per_window.mean(axis=0, keepdims=True), atol=1e-6)
+
+
+def test_a_bundle_from_before_read_windows_reads_first_windows(bundle_dir, tmp_path):
+    import shutil
+
+    copy = tmp_path / "b"
+    shutil.copytree(bundle_dir, copy)
+    spec = json.loads((copy / "classifier.json").read_text())
+    del spec["read_windows"]
+    (copy / "classifier.json").write_text(json.dumps(spec))
+    enc = ClassifierBundle.load(copy).encode_texts(["birds fly south " * 40, "fish"])
+    assert enc.ids.shape == (2, 16) and enc.owner.tolist() == [0, 1]
 
 
 def test_a_changed_bundle_file_is_refused(bundle_dir, tmp_path):

@@ -1,10 +1,12 @@
 import numpy as np
+import pytest
 
 from selfsup_model.specials import BOS_ID, CLS_ID, EOS_ID, NUM_SPECIAL, PAD_ID, SEP_ID
 from selfsup_model.windows import (
     causal_lm_batch,
     document_windows,
     first_windows,
+    mean_over_documents,
     truncate_windows,
 )
 
@@ -57,6 +59,20 @@ def test_document_windows_reads_every_window_of_the_documents_asked_for(tmp_path
     assert owner.tolist() == [0]
     out, owner = document_windows(windows, offsets, np.array([], dtype=np.int64))
     assert out.shape == (0, 6) and owner.shape == (0,)
+
+
+def test_mean_over_documents_by_hand():
+    values = np.array([[1.0, 0.0], [0.0, 1.0], [0.2, 0.8], [0.6, 0.4], [0.5, 0.5]], np.float32)
+    out = mean_over_documents(values, np.array([0, 0, 1, 2, 2]), 3)
+    np.testing.assert_allclose(out, [[0.5, 0.5], [0.2, 0.8], [0.55, 0.45]], rtol=1e-6)
+    assert out.dtype == np.float32
+    assert mean_over_documents(values[:0], np.zeros(0, np.int64), 0).shape == (0, 2)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        mean_over_documents(values[:2], np.array([1, 0]), 2)
+    with pytest.raises(ValueError, match="at least one row"):
+        mean_over_documents(values[:2], np.array([0, 2]), 3)  # document 1 owns nothing
+    with pytest.raises(ValueError, match="at least one row"):
+        mean_over_documents(values[:2], np.array([0, 1]), 1)  # row 1's document is not one
 
 
 def test_causal_batch_by_hand():
