@@ -5,10 +5,9 @@
 
 Scores the run's own documents (repeated up to --docs) as new text: reading is
 done once up front, then each batch size is timed end to end over the same
-documents (normalisation, tokenisation, windows, the classifier, softmax, the mean over a
-document's windows),
-best of --repeats. The tokenisation share is timed on its own. The model is
-loaded once, outside the timing.
+documents (normalisation, tokenisation, windows, the classifier, softmax, the
+mean over each document's windows), best of --repeats. The tokenisation share
+is timed on its own. The model is loaded once, outside the timing.
 """
 
 from __future__ import annotations
