@@ -2,11 +2,12 @@
 
 The fair-comparison rules live here, once, for the pretrained encoder and every
 baseline alike: one labelled view of the encoded splits (the training split's
-classes; every classifier trains on every window of its labelled documents, each
-window carrying its document's label, and predicts from a document's first
-window), one stratified subset per label fraction shared by all methods,
-selection on validation only, and one row format for test predictions and one
-for training summaries.
+classes; with `finetune.read_windows=all` every classifier trains on every window
+of its labelled documents, each window carrying its document's label, and
+predicts a document as the class of highest mean probability over its windows),
+one stratified subset per label fraction shared by all methods, selection on
+validation only, and one row format for test predictions and one for training
+summaries.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from selfsup_model.splitting import SPLITS
 from selfsup_model.windows import document_windows, first_windows
 
 log = logging.getLogger("selfsup.transfer")
+
 
 @dataclasses.dataclass(frozen=True)
 class EncodedWindows:
@@ -353,6 +355,7 @@ def features_probe(method: str, data: LabelledData, features: Mapping[str, np.nd
     the document of each row (non-decreasing): a fraction trains on the rows of its subset's
     documents, each with its document's label, and a validation or test document is
     predicted as the class of highest mean probability over its rows.
+
     The features are computed once for all fractions; `feature_time_s`, their
     cost, is added to every fraction's training time and shown beside it. With
     `standardize`, each feature is centred and scaled by its mean and standard
