@@ -9,8 +9,8 @@ It writes a bundle beside it, so inference needs nothing else from the run:
     tokenizer.json     the tokenizer the encoder was trained with
     classifier.json    labels in class order, how text becomes ids (encode
                        settings, classifier length, causal framing, windows
-                       read), what was
-                       kept and why, and the sha256 of the two files above
+                       read), what was kept and why, and the sha256 of the
+                       two files above
 
 New text takes the training path exactly: `normalize_document`, the run's
 tokenizer, `encode_split`, the classifier's length and framing, and the run's
@@ -257,4 +257,3 @@ def read_spec(directory: str | Path) -> dict[str, Any]:
     if "skipped" in spec:
         raise UserError(f"this run has no classifier: {spec['skipped']}")
     return spec
-
