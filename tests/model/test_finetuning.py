@@ -140,6 +140,12 @@ def test_errors_are_clear(pretrained):
         train_classifier(pretrained, (ids, np.zeros(8, int)), (ids, y), 2, "full", CFG, 0, 1e-3)
     with pytest.raises(UserError, match="unknown fine-tuning mode"):
         train_classifier(pretrained, (ids, y), (ids, y), 2, "linear", CFG, 0, 1e-3)
+    # validation windows of 4 documents: each needs its document, in order, and each document
+    # a window
+    for owner in ([0, 0, 1, 1, 3, 3, 3, 3], [0, 0, 2, 2, 1, 1, 3, 3], [0, 1, 2, 3]):
+        with pytest.raises(UserError, match="each of its 8 windows needs its document"):
+            train_classifier(pretrained, (ids, y), (ids, y[:4]), 2, "full", CFG, 0, 1e-3,
+                             val_owner=np.array(owner))
 
 
 def _labelled_data() -> LabelledData:
