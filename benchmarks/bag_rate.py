@@ -5,10 +5,11 @@
 
 Reads a finished run's encode outputs and trains the bag-of-embeddings baseline as the
 baseline stage does (the demo's fine-tuning protocol: its update budget, early stopping and
-seed 0) at every label fraction of the demo and every learning rate of its shared grid, once
-per `baseline.bag_rate_multiplier`. Its table rows move only when their token is in a batch, so
-at the rates chosen for the Transformers the bag barely learns in its budget; the multiplier
-that gives the best validation macro-F1 is the fair default. Test data is never read.
+seed 0; what `finetune.read_windows` says a classifier reads) at every label fraction of the
+demo and every learning rate of its shared grid, once per `baseline.bag_rate_multiplier`. Its
+table rows move only when their token is in a batch, so at the rates chosen for the
+Transformers the bag barely learns in its budget; the multiplier that gives the best
+validation macro-F1 is the fair default. Test data is never read.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+
+import numpy as np
 
 from selfsup_model.bag_of_embeddings import bag_of_embeddings_factory
 from selfsup_model.finetuning import StageTrainers, train_classifier
@@ -39,18 +42,23 @@ def main(argv=None) -> int:
     if data is None:
         raise SystemExit(f"{wd} has nothing to classify")
     vocab = load_tokenizer(wd / "tokenizer" / "tokenizer.json").get_vocab_size()
+    every = cfg.read_windows == "all"  # what the baseline stage reads
     y_val = data.y("val")
-    val = (data.splits["val"].windows[y_val >= 0], y_val[y_val >= 0])
+    val_docs = np.flatnonzero(y_val >= 0)
+    val_windows, val_owner = data.splits["val"].windows_of(val_docs, every)
+    val = (val_windows, y_val[val_docs])
     print("fraction  multiplier  learning_rate  updates  best_update  val_macro_f1")
     best: dict[float, tuple[float, float, float]] = {}
     for fraction, subset in label_subsets(data, cfg):
-        train = (data.splits["train"].windows[subset], data.y("train")[subset])
+        windows, owner = data.splits["train"].windows_of(subset, every)
+        train = (windows, data.y("train")[subset][owner])
         for multiplier in args.multipliers:
             factory = bag_of_embeddings_factory(vocab, data.window_len, dim, multiplier)
             trainers = StageTrainers()
             for rate in rates:
                 res = train_classifier(factory, train, val, len(data.classes), "scratch", cfg, 0,
-                                       rate, trainers=trainers)
+                                       rate, trainers=trainers, budget_documents=len(subset),
+                                       val_owner=val_owner)
                 print(f"{fraction:8g}  {multiplier:10g}  {rate:13g}  {res.updates_run:7d}  "
                       f"{res.best_update:11d}  {res.val_macro_f1:.4f}", flush=True)
                 if res.val_macro_f1 > best.get(fraction, (-1.0,))[0]:
