@@ -34,9 +34,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         "baseline": {"tfidf_c": [1.0], "tfidf_ngram_max": [1], "bag_dim": 16, "sentence_c": [1.0]},
         "compare": {"bootstrap": 50},
     },
-    # The default: the whole pipeline on the embedded corpus in about 13-22 minutes on 2 CPU
-    # cores (22 min 2 s measured on the slower of two hosts; 11 min 53 s on the faster one
-    # with an earlier, two-rate grid on first windows), more than half of it pretraining.
+    # The default: the whole pipeline on the embedded corpus in about 12-23 minutes on 2 CPU
+    # cores (12 min 1 s measured on the fastest of three hosts; 22 min 2 s on the slowest with
+    # 2,500 pretraining steps), more than half of it pretraining.
     "demo": {
         "ingest": {"pydocs_max_per_library": 1500},
         "tokenizer": {"vocab_size": 4096},
