@@ -26,7 +26,7 @@ from sklearn.linear_model import LogisticRegression
 from selfsup_model.config import BaselineConfig
 from selfsup_model.errors import UserError
 from selfsup_model.metrics import macro_f1
-from selfsup_model.windows import mean_over_documents
+from selfsup_model.windows import documents_owning, mean_over_documents
 
 _TFIDF = "TF-IDF baseline"
 # The multinomial model sklearn's default (lbfgs) fits, by faster solvers: on sparse TF-IDF
@@ -187,8 +187,7 @@ def _predict(clf: LogisticRegression, x, owner: np.ndarray | None = None) -> np.
     (sklearn refuses them)."""
     if np.shape(x)[0] == 0:
         return np.asarray([], dtype=clf.classes_.dtype)
-    n_docs = None if owner is None else int(owner[-1]) + 1
-    if n_docs is None or n_docs == len(owner):  # one row per document
+    if (n_docs := documents_owning(owner)) is None:  # one row per document
         return clf.predict(x)
     proba = mean_over_documents(clf.predict_proba(x), owner, n_docs)
     return clf.classes_[np.argmax(proba, axis=1)]

@@ -20,7 +20,7 @@ from selfsup_model.errors import UserError
 from selfsup_model.layers import TransformerEncoderBlock, derive_seed
 from selfsup_model.saving import serializable
 from selfsup_model.specials import PAD_ID
-from selfsup_model.windows import causal_framing, mean_over_documents
+from selfsup_model.windows import causal_framing, documents_owning, mean_over_documents
 
 POOLINGS: tuple[str, ...] = ("mean", "cls", "last")
 
@@ -173,8 +173,7 @@ def predict_classes(model: keras.Model, ids: np.ndarray, batch_size: int = 256,
     """Arg-max class ids for token ids (N, L): one per row, or with `owner` (each row's
     document, non-decreasing) one per document, from the mean of its rows' probabilities."""
     scores = predict_in_batches(model, ids, batch_size)
-    n_docs = int(owner[-1]) + 1 if owner is not None and len(owner) else 0
-    if owner is not None and n_docs != len(owner):  # else each document owns one row
+    if (n_docs := documents_owning(owner)) is not None:
         scores = mean_over_documents(softmax(scores), owner, n_docs)
     return np.argmax(scores, axis=-1).astype(np.int64)
 

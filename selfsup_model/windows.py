@@ -99,3 +99,14 @@ def mean_over_documents(values: np.ndarray, owner: np.ndarray, n_docs: int) -> n
     sums = np.add.reduceat(values.astype(np.float64, copy=False), starts, axis=0)
     shape = (n_docs,) + (1,) * (values.ndim - 1)
     return (sums / counts.reshape(shape)).astype(values.dtype, copy=False)
+
+
+def documents_owning(owner: np.ndarray | None) -> int | None:
+    """How many documents `owner` (each row's document, as for `mean_over_documents`) names, or
+    None when there is nothing to average: no owner, or each row its own document, in order."""
+    if owner is None:
+        return None
+    owner = np.asarray(owner)
+    if np.array_equal(owner, np.arange(len(owner))):
+        return None
+    return int(owner[-1]) + 1

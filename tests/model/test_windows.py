@@ -5,6 +5,7 @@ from selfsup_model.specials import BOS_ID, CLS_ID, EOS_ID, NUM_SPECIAL, PAD_ID, 
 from selfsup_model.windows import (
     causal_lm_batch,
     document_windows,
+    documents_owning,
     first_windows,
     mean_over_documents,
     truncate_windows,
@@ -73,6 +74,18 @@ def test_mean_over_documents_by_hand():
         mean_over_documents(values[:2], np.array([0, 2]), 3)  # document 1 owns nothing
     with pytest.raises(ValueError, match="at least one row"):
         mean_over_documents(values[:2], np.array([0, 1]), 1)  # row 1's document is not one
+
+
+def test_documents_owning_says_when_rows_need_averaging():
+    assert documents_owning(None) is None
+    assert documents_owning(np.arange(4)) is None  # each row its own document
+    assert documents_owning(np.zeros(0, np.int64)) is None
+    assert documents_owning(np.array([0, 0, 1, 2, 2])) == 3
+    # not one row per document in order, though as many documents as rows: averaged, so the
+    # averaging refuses it instead of reading it row by row
+    assert documents_owning(np.array([0, 0, 2])) == 3
+    with pytest.raises(ValueError, match="at least one row"):
+        mean_over_documents(np.ones((3, 2)), np.array([0, 0, 2]), 3)
 
 
 def test_causal_batch_by_hand():
