@@ -50,10 +50,11 @@ PRESETS: dict[str, dict[str, Any]] = {
                   "norm": "pre"},
         # Length buckets 16/32/48/64: benchmarks/bucketing.py measured 1.20x the real tokens/s
         # of unbucketed batches on the demo's windows (13% padding -> 3%); the price is
-        # compiling 4 shapes instead of 1, once each. 2,750 steps: the time the fine-tuning
-        # speed-ups freed went to pretraining, and then 250 more steps, as reading every window
-        # had made fine-tuning and the baselines the larger part of the demo again.
-        "pretrain": {"batch_size": 64, "steps": 2750, "learning_rate": 1e-3, "warmup_steps": 100,
+        # compiling 4 shapes instead of 1, once each. 2,850 steps: the time the fine-tuning
+        # speed-ups freed went to pretraining, then 350 more steps, as reading every window
+        # had made fine-tuning and the baselines the larger part of the demo again (at 2,750
+        # a fresh clone's `make demo` spent 50.0% of its 11 min 30 s pretraining).
+        "pretrain": {"batch_size": 64, "steps": 2850, "learning_rate": 1e-3, "warmup_steps": 100,
                       "decay": "linear", "log_every": 50, "eval_every": 500,
                       "checkpoint_every": 500, "jit": "on", "length_buckets": 4},
         # Every neural method: 3 rates, then the chosen one again with a second seed at 5%;
