@@ -19,14 +19,18 @@ DECAYS = ("cosine", "linear")
 
 
 def warmup_decay(step, peak, warmup_steps, total_steps, decay: str = "linear"):
-    """The rate of update `step` (0-based): linear warmup to `peak` over `warmup_steps`, then
-    cosine or linear decay to 0 at `total_steps`. The numbers may be Python scalars or tensors
-    (a compiled step that reads them from variables serves runs with other settings)."""
-    step = ops.cast(step, "float32") + 1.0
+    """The rate of update `step` (0-based) of `total_steps`: linear warmup over the first
+    `warmup_steps` updates, the last of them at `peak` (update k < warmup_steps gets
+    peak * (k + 1) / warmup_steps), then cosine or linear decay from `peak` at update
+    `warmup_steps` towards 0 at update `total_steps`, one past the last: linearly, update k gets
+    peak * (total_steps - k) / (total_steps - warmup_steps), so the last update still moves
+    the weights. The numbers may be Python scalars or tensors (a compiled step that reads them
+    from variables serves runs with other settings)."""
+    step = ops.cast(step, "float32") + 1.0  # 1-based: updates done once this one is applied
     warmup = ops.cast(warmup_steps, "float32")
     warm = peak * step / ops.maximum(warmup, 1.0)
     span = ops.maximum(ops.cast(total_steps, "float32") - warmup, 1.0)
-    progress = ops.clip((step - warmup) / span, 0.0, 1.0)
+    progress = ops.clip((step - 1.0 - warmup) / span, 0.0, 1.0)
     if decay == "cosine":
         decayed = 0.5 * peak * (1.0 + ops.cos(math.pi * progress))
     else:
@@ -36,11 +40,11 @@ def warmup_decay(step, peak, warmup_steps, total_steps, decay: str = "linear"):
 
 @serializable
 class WarmupDecay(keras.optimizers.schedules.LearningRateSchedule):
-    """Linear warmup to `peak` over `warmup_steps`, then cosine or linear decay to 0 at
-    `total_steps`.
+    """Linear warmup to `peak` over `warmup_steps`, then cosine or linear decay towards 0,
+    reached one update after the last of `total_steps` (`warmup_decay`).
 
     Keras passes the number of updates already applied, so update k (0-based)
-    uses schedule(k): the first warmup update has a nonzero rate.
+    uses schedule(k): the first warmup update and the last update both have a nonzero rate.
     """
 
     def __init__(self, peak: float, warmup_steps: int, total_steps: int, decay: str = "cosine"):

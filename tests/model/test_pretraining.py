@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import signal
 import subprocess
@@ -113,11 +114,17 @@ def test_dynamic_masks_change_between_passes_static_masks_do_not():
 def test_budget_by_tokens_and_schedule_shape():
     assert budget_steps(PretrainConfig(steps=7), 128) == 7
     assert budget_steps(PretrainConfig(batch_size=4, max_tokens=1000), 32) == 8  # ceil(1000 / 128)
-    s = WarmupDecay(1.0, warmup_steps=4, total_steps=20)
-    lr = [float(keras.ops.convert_to_numpy(s(k))) for k in range(20)]
-    assert lr[0] == pytest.approx(0.25) and lr[3] == pytest.approx(1.0)
+    s = WarmupDecay(1.0, warmup_steps=4, total_steps=20, decay="linear")
+    lr = [float(keras.ops.convert_to_numpy(s(k))) for k in range(21)]
+    # warmup: (k + 1) / 4; decay over the 16 other updates: (20 - k) / 16, 0 past the end
+    assert lr[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    assert lr[4] == pytest.approx(1.0) and lr[12] == pytest.approx(0.5)
+    assert lr[19] == pytest.approx(1 / 16)  # the last update still learns
+    assert lr[20] == pytest.approx(0.0, abs=1e-7)
     assert all(a >= b for a, b in itertools.pairwise(lr[3:]))
-    assert lr[19] == pytest.approx(0.0, abs=1e-7)
+    cosine = WarmupDecay(1.0, warmup_steps=0, total_steps=4)
+    assert [float(keras.ops.convert_to_numpy(cosine(k))) for k in range(4)] == pytest.approx(
+        [1.0, 0.5 * (1 + math.cos(math.pi / 4)), 0.5, 0.5 * (1 + math.cos(3 * math.pi / 4))])
 
 
 def test_weight_decay_skips_norms_biases_embeddings_and_cpu_defaults_stay_float32():
