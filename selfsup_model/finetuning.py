@@ -7,7 +7,8 @@ Every run, whatever its method, gets:
 - one peak learning rate for all trainable weights (the caller searches a grid),
   reached by linear warmup over `warmup_fraction` of the updates, then linear
   decay to zero;
-- validation macro-F1 `evals` times over the budget (at least once per stage),
+- validation macro-F1 `evals` times over the budget (`check_points`: shared out
+  among the stages by length, at least once per stage and at each stage's end),
   early stopping after `patience` checks without improvement, and the best
   weights kept.
 
@@ -25,7 +26,7 @@ import hashlib
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import keras
 import numpy as np
@@ -76,9 +77,38 @@ def plan_stages(mode: str, updates: int, learning_rate: float, cfg: FinetuneConf
     each a third of the same budget."""
     if mode != "staged":
         return [Stage("all", updates, learning_rate)]
+    if updates < 3:
+        raise UserError(f"staged fine-tuning needs at least 3 updates, one per stage, but the "
+                        f"budget is {updates}; raise finetune.min_updates")
     third = max(1, updates // 3)
     return [Stage("head", third, learning_rate), Stage("top", third, learning_rate),
             Stage("all", max(1, updates - 2 * third), learning_rate * cfg.staged_final_lr_scale)]
+
+
+def check_points(stage_updates: Sequence[int], evals: int) -> list[list[int]]:
+    """Per stage, the update counts within it (1-based, ascending) after which validation
+    macro-F1 is checked.
+
+    A run gets `evals` checks in all whatever its mode, so a staged run has as many chances to
+    be selected on validation as a full one: they are shared out among the stages in proportion
+    to their lengths (largest remainder, ties to the earlier stage), every stage gets at least
+    one, at its end (it decides whether the stage is kept), and never more than its updates.
+    Within a stage of u updates, n checks fall at ceil(j * u / n), j = 1..n.
+    """
+    if evals < 1 or not stage_updates or min(stage_updates) < 1:
+        raise ValueError(f"need evals >= 1 and stages of >= 1 update (got {evals}, "
+                         f"{list(stage_updates)})")
+    total_updates, total = sum(stage_updates), max(evals, len(stage_updates))
+    quota = [total * u / total_updates for u in stage_updates]
+    counts = [max(1, math.floor(q)) for q in quota]
+    by_remainder = sorted(range(len(quota)), key=lambda k: (-(quota[k] - math.floor(quota[k])), k))
+    for k in by_remainder[: max(0, total - sum(counts))]:
+        counts[k] += 1
+    while sum(counts) > total:  # the one-per-stage floor overshot: take from the largest share
+        k = max(range(len(counts)), key=lambda i: (counts[i], -i))
+        counts[k] -= 1
+    return [[math.ceil(j * u / n) for j in range(1, n + 1)]
+            for u, n in zip(stage_updates, (min(c, u) for c, u in zip(counts, stage_updates)))]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,11 +170,11 @@ def train_classifier(backbone_factory: Callable[[], keras.Model],
     train_ids, val_ids = encoder_inputs(backbone, train_ids), encoder_inputs(backbone, val_ids)
     budget = update_budget(len(train_y) if budget_documents is None else budget_documents, cfg)
     run = ClassifierRun(model, backbone, (train_ids, train_y), (val_ids, val_y), cfg,
-                        np.random.default_rng(seed), eval_every=math.ceil(budget / cfg.evals),
-                        trainers=trainers, val_owner=val_owner)
+                        np.random.default_rng(seed), trainers=trainers, val_owner=val_owner)
     start = time.perf_counter()
-    for stage in plan_stages(mode, budget, learning_rate, cfg):
-        run.train_stage(stage)
+    stages = plan_stages(mode, budget, learning_rate, cfg)
+    for stage, checks in zip(stages, check_points([s.updates for s in stages], cfg.evals)):
+        run.train_stage(stage, checks)
     run.restore_best()
 
     def predict(ids: np.ndarray, owner: np.ndarray | None = None) -> np.ndarray:
@@ -244,13 +274,9 @@ class ClassifierRun:
     """
 
     def __init__(self, model, backbone, train, val, cfg: FinetuneConfig, rng: np.random.Generator,
-                 eval_every: int, trainers: StageTrainers | None = None,
-                 val_owner: np.ndarray | None = None):
-        # Validation every `eval_every` updates, whatever the mode: staged runs get as many
-        # checks (and as much selection) over the same budget as full ones, not three times more.
+                 trainers: StageTrainers | None = None, val_owner: np.ndarray | None = None):
         self.model, self.backbone, self.cfg, self.rng = model, backbone, cfg, rng
         self.trainers = trainers if trainers is not None else StageTrainers()
-        self.eval_every = max(1, eval_every)
         (self.train_ids, self.train_y), (self.val_ids, self.val_y) = train, val
         self.val_owner = val_owner  # the document of each validation row (None: one row each)
         self.updates, self.best_update, self.best_f1 = 0, 0, -1.0
@@ -270,7 +296,12 @@ class ClassifierRun:
         if self.best_weights is not None:
             self.model.set_weights(self.best_weights)
 
-    def train_stage(self, stage: Stage) -> None:
+    def train_stage(self, stage: Stage, checks: Sequence[int]) -> None:
+        """Train `stage`, checking validation after each update count in `checks` (within the
+        stage, ascending, the last one the stage's end: `check_points`)."""
+        if not checks or list(checks) != sorted(set(checks)) or checks[-1] != stage.updates:
+            raise ValueError(f"checks {list(checks)} must rise to the stage's {stage.updates} "
+                             "updates")
         trainer = self.trainers.trainer(stage.name, self.model, self.cfg)
         if stage.name == "head":
             x_train = self.trainers.features(self.model, self.train_ids, self.cfg)
@@ -284,9 +315,9 @@ class ClassifierRun:
         # (updates, B) indices into the training subset; with several training processes each
         # feeds its share of every batch (`devices.local_share`).
         order = local_share(self._batches(stage.updates), axis=1)
-        waited, stage_best, kept = 0, -1.0, False
-        for lo in range(0, stage.updates, self.eval_every):
-            rows = order[lo : lo + self.eval_every]
+        waited, stage_best, kept, done = 0, -1.0, False, 0
+        for point in checks:
+            rows, done = order[done:point], point
             idx = rows.reshape(-1)
             trainer.fit(x_train[idx], self.train_y[idx], batch_size=rows.shape[1], epochs=1,
                         shuffle=False, verbose=0)

@@ -85,6 +85,12 @@ class LabelledData:
         return np.array([index.get(label, -1) for label in self.splits[split].labels],
                         dtype=np.int64)
 
+    def scorable(self, split: str) -> np.ndarray:
+        """The documents of `split` whose label the training split has: what every method's
+        selection scores on validation. A label no classifier can predict would only add a
+        class of F1 zero to the macro average, and not to every method's alike."""
+        return np.flatnonzero(self.y(split) >= 0)
+
 
 def load_labelled(encode_dir: Path, max_len: int | None = None) -> LabelledData | None:
     """Labelled documents per split from encode's `{split}_docs.parquet`, `_doc_offsets.npy` and
@@ -214,8 +220,7 @@ def _train_neural_methods(data: LabelledData, methods: Sequence[NeuralMethod],
                           cfg: FinetuneConfig) -> tuple[MethodResults, dict[str, ClassifierResult]]:
     train, y_train, y_val = data.splits["train"], data.y("train"), data.y("val")
     every = cfg.read_windows == "all"
-    # selection can only score labels the model can predict
-    val_docs = np.flatnonzero(y_val >= 0)
+    val_docs = data.scorable("val")
     val_windows, val_owner = data.splits["val"].windows_of(val_docs, every)
     val = (val_windows, y_val[val_docs])
     test = data.splits["test"]
@@ -327,17 +332,18 @@ def text_baselines(data: LabelledData, texts: pd.Series, baseline: BaselineConfi
     by id)."""
     out = MethodResults()
     train, val, test = (data.splits[s] for s in SPLITS)
+    val_docs = data.scorable("val")  # validation scores what every method's selection scores
+    val_labels, val_texts = val.labels[val_docs], texts.loc[val.ids[val_docs]].tolist()
     for fraction, subset in label_subsets(data, finetune):
         if baseline.majority:
             t0 = time.perf_counter()
             pred = majority_class(train.labels[subset], len(test.ids))
-            val_pred = majority_class(train.labels[subset], len(val.ids))
+            val_pred = majority_class(train.labels[subset], len(val_docs))
             out.add("majority", fraction, data, np.asarray(pred, dtype=str), {
-                "n_train": len(subset), "val_macro_f1": macro_f1(val.labels, np.asarray(val_pred)),
+                "n_train": len(subset), "val_macro_f1": macro_f1(val_labels, np.asarray(val_pred)),
                 "train_time_s": round(time.perf_counter() - t0, 3)})
         res = tfidf_logreg(texts.loc[train.ids[subset]].tolist(), train.labels[subset],
-                           texts.loc[val.ids].tolist(), val.labels,
-                           {"test": texts.loc[test.ids].tolist()}, baseline)
+                           val_texts, val_labels, {"test": texts.loc[test.ids].tolist()}, baseline)
         out.add("tfidf_logreg", fraction, data, np.asarray(res.predictions["test"], dtype=str), {
             "n_train": len(subset), "val_macro_f1": res.val_macro_f1,
             "train_time_s": round(res.fit_time_s, 3), "params": res.params})
@@ -361,24 +367,28 @@ def features_probe(method: str, data: LabelledData, features: Mapping[str, np.nd
     `standardize`, each feature is centred and scaled by its mean and standard
     deviation over the training rows (never validation or test). `fits`, when given,
     receives the selected fit at the largest fraction (for handing the probe over).
+    Validation scores only the documents whose label training has (`LabelledData.scorable`).
     """
     out = MethodResults()
     train, val = data.splits["train"], data.splits["val"]
     owners = owners or {}
     owner = np.asarray(owners.get("train", np.arange(len(train.ids))))
+    val_docs = data.scorable("val")
+    val_rows, val_owner = _rows_of(val_docs, owners.get("val"))
     largest = max(finetune.fractions)
     for fraction, subset in label_subsets(data, finetune):
         rows = np.isin(owner, subset)
-        x = {"train": features["train"][rows], "val": features["val"], "test": features["test"]}
+        x = {"train": features["train"][rows], "val": features["val"][val_rows],
+             "test": features["test"]}
         dim = x["train"].shape[1]
         mean, scale = np.zeros(dim, np.float32), np.ones(dim, np.float32)
         if standardize:
             mean, std = x["train"].mean(axis=0), x["train"].std(axis=0)
             scale = np.where(std > 0, std, 1.0).astype(np.float32)
             x = {split: (v - mean) / scale for split, v in x.items()}
-        res = logreg_on_features(x["train"], train.labels[owner[rows]], x["val"], val.labels,
-                                 {"test": x["test"]}, c_grid, what=method,
-                                 val_owner=owners.get("val"),
+        res = logreg_on_features(x["train"], train.labels[owner[rows]], x["val"],
+                                 val.labels[val_docs], {"test": x["test"]}, c_grid, what=method,
+                                 val_owner=val_owner,
                                  eval_owners={"test": owners["test"]} if "test" in owners else None)
         if fits is not None and fraction == largest:
             fits.append(ProbeFit(res.model, mean, scale, res.val_macro_f1))
@@ -388,6 +398,16 @@ def features_probe(method: str, data: LabelledData, features: Mapping[str, np.nd
             "train_time_s": round(res.fit_time_s + feature_time_s, 3),
             "feature_time_s": round(feature_time_s, 3)})
     return out
+
+
+def _rows_of(docs: np.ndarray, owner: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
+    """The rows of documents `docs` (ascending) and, with `owner` (each row's document), each
+    kept row's position in `docs`; without it one row per document."""
+    if owner is None:
+        return docs, None
+    owner = np.asarray(owner)
+    keep = np.flatnonzero(np.isin(owner, docs))
+    return keep, np.searchsorted(docs, owner[keep])
 
 
 def write_method_results(out_dir: Path, results: MethodResults, classes: Sequence[str] = (),

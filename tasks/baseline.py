@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from selfsup_model.devices import resolve_precision
 from selfsup_model.errors import UserError
 from selfsup_model.model import build_backbone
 from selfsup_model.sentence_embeddings import embed_texts, sentence_embedding_status
@@ -81,14 +82,15 @@ def compute(ctx: RunContext, out: Path, inputs: dict[str, Path]) -> StageOutput:
 
 def _neural_methods(ctx: RunContext, data: LabelledData,
                     tokenizer_path: Path) -> list[NeuralMethod]:
-    """random_init (exactly the pretrained architecture, causal too) and the bag of
-    embeddings."""
+    """random_init (exactly the pretrained architecture, causal too, in the precision
+    pretraining built the encoder in: bf16 on a GPU under `auto`) and the bag of embeddings."""
     cfg = ctx.config
     vocab = load_tokenizer(tokenizer_path).get_vocab_size()
     causal = cfg.pretrain.objective == "clm"
+    dtype = resolve_precision(cfg.pretrain.mixed_precision)
 
     def random_init():
-        return build_backbone(vocab, data.window_len, cfg.model, causal=causal)
+        return build_backbone(vocab, data.window_len, cfg.model, causal=causal, dtype=dtype)
 
     return scratch_baselines(vocab, data.window_len, random_init, cfg.baseline)
 

@@ -8,6 +8,8 @@ import types
 import keras
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from selfsup_model.classify import build_classifier, is_causal, predict_classes
 from selfsup_model.config import FinetuneConfig, ModelConfig
@@ -18,6 +20,8 @@ from selfsup_model.finetuning import (
     ClassifierRun,
     Stage,
     StageTrainers,
+    check_points,
+    plan_stages,
     train_classifier,
     update_budget,
 )
@@ -63,6 +67,47 @@ def test_update_budget_has_a_floor_and_a_ceiling():
     assert update_budget(10_000, CFG) == 24  # capped
 
 
+def test_check_points_by_hand():
+    assert check_points([120], 4) == [[30, 60, 90, 120]]
+    assert check_points([10], 4) == [[3, 5, 8, 10]]  # ceil(2.5), 5, ceil(7.5), 10
+    # staged thirds of 200 with 8 checks: quotas 2.64, 2.64, 2.72 -> 2, 2, 2, and the two
+    # largest remainders (the third stage, then the first of the tied two) get one more
+    assert check_points([66, 66, 68], 8) == [[22, 44, 66], [33, 66], [23, 46, 68]]
+    assert check_points([1, 1, 98], 3) == [[1], [1], [98]]  # at least one check per stage
+    assert check_points([2, 2, 2], 1) == [[2], [2], [2]]  # one per stage even when evals is less
+    assert check_points([2], 4) == [[1, 2]]  # never more checks than updates
+    with pytest.raises(ValueError):
+        check_points([0, 5], 2)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 400), min_size=1, max_size=3), st.integers(1, 12))
+def test_check_points_give_every_mode_the_same_number_of_checks(updates, evals):
+    points = check_points(updates, evals)
+    for stage, p in zip(updates, points):
+        assert p[-1] == stage and p == sorted(set(p)) and p[0] >= 1  # rising, ends the stage
+    if all(u >= evals for u in updates):
+        assert sum(map(len, points)) == max(evals, len(updates))
+    # a staged run gets as many checks as a one-stage run over the same budget (unless evals
+    # is below its one check per stage)
+    whole = sum(updates)
+    if evals >= len(updates) and min(updates) >= evals:
+        assert sum(map(len, points)) == len(check_points([whole], evals)[0])
+
+
+def test_a_staged_run_checks_validation_as_often_as_a_full_one(pretrained):
+    cfg = CFG.model_copy(update={"patience": 100})  # no early stop: count every check
+    train, val = make_docs(32, 1), make_docs(16, 2)
+    runs = {mode: train_classifier(pretrained, train, val, 2, mode, cfg, seed=0,
+                                   learning_rate=3e-3) for mode in ("full", "staged")}
+    budget = update_budget(32, cfg)
+    assert [h["update"] for h in runs["full"].history] == [2, 4, 6, 8]
+    assert len(runs["staged"].history) == len(runs["full"].history) == cfg.evals
+    assert runs["staged"].history[-1]["update"] == budget
+    with pytest.raises(UserError, match="at least 3 updates"):
+        plan_stages("staged", 2, 1e-3, cfg)
+
+
 def test_selection_uses_validation_only(pretrained):
     train, val = make_docs(32, 1), make_docs(16, 2)
     runs = [train_classifier(pretrained, train, val, 2, "full", CFG, seed=3, learning_rate=3e-3,
@@ -81,16 +126,16 @@ def test_staged_unfreezing_trains_head_then_top_block_then_all(pretrained):
     encoder = pretrained()
     model = build_classifier(encoder, 2, dropout=0.0)
     train, val = make_docs(32, 1), make_docs(16, 2)
-    run = ClassifierRun(model, encoder, train, val, CFG, np.random.default_rng(0), eval_every=4)
+    run = ClassifierRun(model, encoder, train, val, CFG, np.random.default_rng(0))
     lower, upper = (lambda: weights_of(model, "block_0")), (lambda: weights_of(model, "block_1"))
     low0, up0, head0 = lower(), upper(), model.get_layer("head_logits").get_weights()
-    run.train_stage(Stage("head", 8, 3e-2))
+    run.train_stage(Stage("head", 8, 3e-2), [4, 8])
     # Head alone, on frozen features: no encoder weight moved; the head did.
     assert all(np.array_equal(x, y) for x, y in zip(lower() + upper(), low0 + up0))
     assert not np.array_equal(model.get_layer("head_logits").get_weights()[0], head0[0])
     low1, up1 = lower(), upper()
     run.best_f1 = -1.0  # make the stage's weights stay, whatever validation says
-    run.train_stage(Stage("top", 8, 3e-2))
+    run.train_stage(Stage("top", 8, 3e-2), [4, 8])
     assert all(np.array_equal(x, y) for x, y in zip(lower(), low1))  # the lower block is frozen
     assert not all(np.array_equal(x, y) for x, y in zip(upper(), up1))  # the top block learned
     assert [s["stage"] for s in run.stages] == ["head", "top"]
@@ -418,3 +463,63 @@ def test_xla_with_encoder_dropout_on_a_cpu_is_warned_about(caplog):
                 "XLA make each step slower than without XLA; set finetune.encoder_dropout=0 or "
                 "turn jit off")
     assert slow == ([expected] if warned else [])
+
+
+def test_validation_scores_only_labels_training_has_for_every_method():
+    # v2's label "z" is not a training class: no classifier can predict it, so it would add a
+    # zero-F1 class to the macro average. The probe, TF-IDF and majority leave it out, as the
+    # neural methods do (a perfect prediction of v0 and v1 scores 1.0, not 2/3).
+    import pandas as pd
+
+    from selfsup_model.config import BaselineConfig
+    from selfsup_model.transfer import text_baselines
+
+    ids = {"train": ["d0", "d1", "d2", "d3"], "val": ["v0", "v1", "v2"], "test": ["t0", "t1"]}
+    labels = {"train": ["a", "a", "b", "b"], "val": ["a", "b", "z"], "test": ["a", "b"]}
+    splits = {s: LabelledSplit(np.array(ids[s]), np.array(labels[s]),
+                               np.zeros((len(ids[s]), 4), np.int32)) for s in ids}
+    data = LabelledData(["a", "b"], splits, {}, 4)
+    np.testing.assert_array_equal(data.scorable("val"), [0, 1])
+    cfg = FinetuneConfig(fractions=(1.0,))
+    side = {"a": -1.0, "b": 1.0, "z": 0.1}
+    features = {s: np.array([[side[y]] for y in labels[s]], np.float32) for s in ids}
+    (probe,) = features_probe("probe", data, features, (1.0,), cfg).summaries
+    assert probe["val_macro_f1"] == 1.0
+    # the same with several rows per document: v2's two rows are dropped, v0 and v1 kept
+    rows = {s: np.repeat(features[s], 2, axis=0) for s in ids}
+    owners = {s: np.repeat(np.arange(len(ids[s])), 2) for s in ids}
+    (probe,) = features_probe("probe", data, rows, (1.0,), cfg, owners=owners).summaries
+    assert probe["val_macro_f1"] == 1.0
+    words = {"a": "apple pie", "b": "banana split", "z": "cherry tart"}
+    texts = pd.Series({i: words[y] for s in ids for i, y in zip(ids[s], labels[s])})
+    baseline = BaselineConfig(tfidf_c=(10.0,), tfidf_ngram_max=(1,))
+    found = {r["method"]: r["val_macro_f1"] for r in text_baselines(data, texts, baseline,
+                                                                       cfg).summaries}
+    assert found["tfidf_logreg"] == 1.0
+    assert found["majority"] == pytest.approx(1 / 3)  # "a" for both: F1 2/3 on a, 0 on b
+
+
+def test_random_init_is_built_in_the_precision_pretraining_builds_the_encoder_in(tmp_path):
+    # On a GPU `auto` pretrains in mixed bf16; random_init must not fine-tune in float32 beside
+    # it. Forced here with pretrain.mixed_precision=bf16 (what `auto` resolves to on a GPU).
+    from selfsup_model.config import TokenizerConfig
+    from selfsup_model.devices import resolve_precision
+    from selfsup_model.presets import build_config
+    from selfsup_model.tokenization import fit_tokenizer, load_tokenizer, save_tokenizer
+    from tasks.baseline import _neural_methods
+    from tasks.stage import RunContext
+
+    tokenizer = tmp_path / "tokenizer.json"
+    save_tokenizer(fit_tokenizer(["one two three four", "five six seven"] * 4,
+                                 TokenizerConfig(vocab_size=64, min_frequency=1)), tokenizer)
+    data = LabelledData(["a", "b"], {}, {}, MAX_LEN)
+    for setting in ("bf16", "off"):
+        config = build_config("tiny", overrides=[f"pretrain.mixed_precision={setting}"])
+        methods = _neural_methods(RunContext(tmp_path, config), data, tokenizer)
+        (random_init,) = [m for m in methods if m.name == "random_init"]
+        vocab = load_tokenizer(tokenizer).get_vocab_size()
+        pretrained = build_backbone(vocab, MAX_LEN, config.model,
+                                    dtype=resolve_precision(setting))  # as pretraining builds it
+        policies = {layer.dtype_policy.name for layer in random_init.factory().layers[1:]}
+        assert policies == {layer.dtype_policy.name for layer in pretrained.layers[1:]}
+        assert ("mixed_bfloat16" in policies) == (setting == "bf16")
