@@ -9,14 +9,26 @@ path imports it without YAML.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 DEFAULT_WORKDIR = "data/runs/default"
 SPLITS = ("train", "val", "test")  # the order every stage lists them in
 # What `--corpus` names: a folder of class sub-folders, a table file, or the embedded docstrings.
 CorpusFormat = Literal["auto", "folder", "table", "pydocs"]
+
+
+def _words_from_yaml_booleans(value: object) -> object:
+    """YAML reads on/off (and yes/no) as booleans, in `--set` values and config files alike:
+    `--set finetune.jit=on` means the word."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return value
+
+
+Switch = Annotated[Literal["auto", "on", "off"], BeforeValidator(_words_from_yaml_booleans)]
+Precision = Annotated[Literal["auto", "off", "bf16"], BeforeValidator(_words_from_yaml_booleans)]
 
 DEFAULT_PYDOCS_LIBRARIES = (
     "numpy", "pandas", "scipy", "sklearn", "tensorflow", "keras",
@@ -158,8 +170,8 @@ class PretrainConfig(_Section):
     eval_every: int = Field(500, ge=1)
     checkpoint_every: int = Field(500, ge=1)
     static_train_masks: bool = False
-    mixed_precision: Literal["auto", "off", "bf16"] = "auto"
-    jit: Literal["auto", "on", "off"] = "auto"
+    mixed_precision: Precision = "auto"
+    jit: Switch = "auto"
     length_buckets: int = Field(
         1, ge=1, le=64,
         description="Train on batches trimmed to a few fixed lengths: this many equal slices of "
@@ -211,7 +223,7 @@ class FinetuneConfig(_Section):
     probe_c: tuple[float, ...] = Field((0.001, 0.01, 0.1, 1.0, 10.0, 100.0),
                                        description="C grid of the frozen-feature linear probe.")
     eval_batch_size: int = Field(256, ge=1)
-    jit: Literal["auto", "on", "off"] = Field(
+    jit: Switch = Field(
         "auto", description="XLA for the classifiers' train and predict steps; auto: on a GPU "
                             "or under JAX (as pretrain.jit). On a CPU, XLA with encoder_dropout "
                             "> 0 is slower than without it.")
@@ -252,7 +264,7 @@ class BaselineConfig(_Section):
     bag_rate_multiplier: float = Field(
         300.0, gt=0.0, description="The bag's token vectors learn this many times faster than "
                                   "the shared grid's rate (sparse rows; see bag_of_embeddings).")
-    sentence_embeddings: Literal["auto", "on", "off"] = Field(
+    sentence_embeddings: Switch = Field(
         "auto",
         description="auto: run when the `embeddings` extra is installed; on: fail without it.")
     sentence_c: tuple[float, ...] = (0.1, 1.0, 10.0, 100.0)

@@ -46,3 +46,18 @@ def test_invalid_settings_are_one_clear_line(override, message):
 def test_unknown_preset_names_the_choices():
     with pytest.raises(UserError, match="tiny, demo, base"):
         build_config("huge")
+
+
+def test_on_and_off_mean_the_words_in_set_values_and_config_files(tmp_path):
+    # YAML reads on/off as booleans; every on/off setting takes them back as the words
+    cfg = build_config("tiny", overrides=["pretrain.jit=on", "finetune.jit=off",
+                                          "pretrain.mixed_precision=off",
+                                          "baseline.sentence_embeddings=on"])
+    assert (cfg.pretrain.jit, cfg.finetune.jit, cfg.pretrain.mixed_precision,
+            cfg.baseline.sentence_embeddings) == ("on", "off", "off", "on")
+    path = tmp_path / "run.yaml"
+    path.write_text("pretrain:\n  jit: off\nfinetune:\n  jit: on\n", "utf-8")
+    cfg = build_config("tiny", config_file=path)
+    assert (cfg.pretrain.jit, cfg.finetune.jit) == ("off", "on")
+    with pytest.raises(UserError, match="pretrain.mixed_precision"):
+        build_config("tiny", overrides=["pretrain.mixed_precision=on"])  # not one of its words
