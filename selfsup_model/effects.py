@@ -37,6 +37,17 @@ def seed_spread(seed_predictions: pd.DataFrame) -> dict[tuple[str, float], dict[
     return out
 
 
+# A validation tie goes to the cheaper pretrained method, in the report's "best pretrained method"
+# and in the classifier handed over (`inference.choose_kept`) alike.
+CHEAPER_FIRST = ("pretrained_probe", "pretrained_full", "pretrained_staged")
+
+
+def tie_rank(method: str) -> int:
+    """Sort key among methods of equal validation macro-F1: cheaper first (others last)."""
+    method = str(method)
+    return CHEAPER_FIRST.index(method) if method in CHEAPER_FIRST else len(CHEAPER_FIRST)
+
+
 def pretraining_effects(results: Sequence[Mapping[str, Any]], predictions: pd.DataFrame,
                         n_bootstrap: int = 1000, seed: int = 0) -> list[dict[str, Any]]:
     """Per fraction: best pretrained (on validation) minus each reference, paired, on test."""
@@ -48,7 +59,7 @@ def pretraining_effects(results: Sequence[Mapping[str, Any]], predictions: pd.Da
                       and r.get("val_macro_f1") is not None]
         if not candidates:
             continue
-        best = max(candidates, key=lambda r: (float(r["val_macro_f1"]), str(r["method"])))
+        best = min(candidates, key=lambda r: (-float(r["val_macro_f1"]), tie_rank(r["method"])))
         for reference in REFERENCES:
             if (reference, fraction) not in present:
                 continue

@@ -48,6 +48,7 @@ from selfsup_model.classify import (
     softmax,
 )
 from selfsup_model.config import EncodeConfig
+from selfsup_model.effects import tie_rank
 from selfsup_model.encoding import encode_split
 from selfsup_model.errors import ArtifactError, UserError
 from selfsup_model.ingest import normalize_document
@@ -75,14 +76,11 @@ class KeptCandidate:
 
 
 def choose_kept(candidates: Sequence[KeptCandidate]) -> KeptCandidate:
-    """Highest validation macro-F1; a tie keeps the earlier candidate (the caller's order)."""
+    """Highest validation macro-F1; a tie goes to the cheaper method (`effects.tie_rank`, as the
+    report's best pretrained method), then to the earlier candidate."""
     if not candidates:
         raise ValueError("no classifier to keep")
-    best = candidates[0]
-    for candidate in candidates[1:]:
-        if candidate.val_macro_f1 > best.val_macro_f1:
-            best = candidate
-    return best
+    return min(candidates, key=lambda c: (-c.val_macro_f1, tie_rank(c.method)))
 
 
 def probe_classifier(backbone: keras.Model, pooling: str, model: Any, mean: np.ndarray,

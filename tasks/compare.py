@@ -97,10 +97,10 @@ def _protocol(cfg) -> str:
             f"validation), the updates of {cfg.epochs} passes over the subset's documents "
             f"clipped to [{cfg.min_updates}, {cfg.max_updates}], {cfg.warmup_fraction:g} "
             f"warmup then linear decay, early stopping after {cfg.patience} of {cfg.evals} "
-            f"validation checks without gain, the grid on seed {cfg.seeds[0]} and the chosen "
-            f"rate repeated with training seeds {list(cfg.seeds)} up to fraction "
-            f"{cfg.repeat_seeds_up_to:g}; linear probe: C in {list(cfg.probe_c)} on "
-            "standardised frozen features")
+            f"validation checks without gain, the grid on seed {cfg.seeds[0]}"
+            + (f" and the chosen rate repeated with training seeds {list(cfg.seeds[1:])} up "
+               f"to fraction {cfg.repeat_seeds_up_to:g}" if len(cfg.seeds) > 1 else "")
+            + f"; linear probe: C in {list(cfg.probe_c)} on standardised frozen features")
 
 
 def searched_grids(config: PipelineConfig) -> dict[str, dict[str, tuple[float, ...]]]:

@@ -40,6 +40,11 @@ def test_kept_is_the_best_on_validation_and_a_tie_keeps_the_earlier():
                           _candidate("staged", 0.7)])
     assert chosen.method == "full"
     assert choose_kept([_candidate("probe", 0.6), _candidate("full", 0.6)]).method == "probe"
+    # a tie between pretrained methods goes to the cheaper one, whatever the caller's order
+    tied = [_candidate("pretrained_staged", 0.6), _candidate("pretrained_full", 0.6),
+            _candidate("pretrained_probe", 0.6)]
+    assert choose_kept(tied).method == "pretrained_probe"
+    assert choose_kept(tied[:2]).method == "pretrained_full"
     with pytest.raises(ValueError):
         choose_kept([])
 

@@ -165,6 +165,12 @@ def test_pretraining_effect_compares_the_validation_choice_on_test():
     assert effects[1]["verdict"] == "worse" and effects[1]["ci"][1] < 0
     sentence = effect_sentence(effects[1])
     assert "pretrained_probe" in sentence and "behind TF-IDF + logistic regression" in sentence
+    # a validation tie goes to the cheaper method, as the classifier handed over does
+    val["pretrained_full"] = 0.7
+    for r in results:
+        r["val_macro_f1"] = val[r["method"]]
+    assert {e["pretrained_method"] for e in pretraining_effects(results, predictions, 200, 0)} \
+        == {"pretrained_probe"}
 
 
 def test_seed_spread_over_training_seeds():
