@@ -35,8 +35,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         "compare": {"bootstrap": 50},
     },
     # The default: the whole pipeline on the embedded corpus in about 12-23 minutes on 2 CPU
-    # cores (12 min 1 s measured on the fastest of three hosts; 22 min 2 s on the slowest with
-    # 2,500 pretraining steps), more than half of it pretraining.
+    # cores (a fresh clone's `make demo`: 11 min 36 s after install on the fastest of three
+    # hosts; 22 min 2 s on the slowest with 2,500 pretraining steps), more than half of it
+    # pretraining.
     "demo": {
         "ingest": {"pydocs_max_per_library": 1500},
         "tokenizer": {"vocab_size": 4096},
