@@ -60,11 +60,13 @@ def build_backbone(vocab_size: int, max_len: int, cfg: ModelConfig, causal: bool
 
 
 def with_dropout(backbone: keras.Model, rate: float, keep_weights: bool = True,
-                 seed: int | None = None) -> keras.Model:
+                 seed: int | None = None, dtype: str | None = None) -> keras.Model:
     """The same backbone rebuilt with every dropout rate set to `rate` (fine-tuning's rate need
     not be pretraining's), carrying over its weights unless `keep_weights` is False (a fresh
     random initialisation of the same architecture: the random-init baseline). A `seed`
-    reseeds every layer that draws (initial weights, dropout), by the layer's name."""
+    reseeds every layer that draws (initial weights, dropout), by the layer's name. A `dtype`
+    (a policy name) replaces the policy of every layer `build_backbone` gives one, as if built
+    with it; the weights stay float32 under either policy."""
     rate = float(rate)
 
     def clone(layer):
@@ -75,6 +77,8 @@ def with_dropout(backbone: keras.Model, rate: float, keep_weights: bool = True,
             config["dropout"] = rate
         if seed is not None and "seed" in config:
             config["seed"] = derive_seed(seed, layer.name)
+        if dtype is not None and not isinstance(layer, PaddingMask):
+            config["dtype"] = dtype
         return layer.__class__.from_config(config)
 
     clone_model = keras.models.clone_model(backbone, clone_function=clone)

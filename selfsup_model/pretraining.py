@@ -234,8 +234,11 @@ def _fresh_model(vocab_size: int, max_len: int, model_cfg: ModelConfig, cfg: Pre
     check_compatible(source.backbone, vocab_size=vocab_size, max_len=max_len, causal=causal,
                      model_cfg=model_cfg, tokenizer_sha256=tokenizer_sha256 or "",
                      source=init)
-    model = build_pretraining_model(with_dropout(source.backbone, model_cfg.dropout,
-                                                 seed=cfg.seed), cfg.objective, model_cfg)
+    # The run's own precision, not the source's: a bf16 GPU encoder continued on a CPU computes
+    # in float32 there, and its random_init baseline is built at the same precision.
+    model = build_pretraining_model(
+        with_dropout(source.backbone, model_cfg.dropout, seed=cfg.seed,
+                     dtype=resolve_precision(cfg.mixed_precision)), cfg.objective, model_cfg)
     model.head.set_weights(source.head.get_weights())  # the objective head continues too
     return _compiled(model, cfg, model_cfg.dropout, total)
 

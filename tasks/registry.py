@@ -69,7 +69,9 @@ PIPELINE: tuple[StageSpec, ...] = (
                                   "tokenizer/tokenizer.json"),
               sections=("model", "pretrain", "masks"),
               extra_params=lambda ctx: _init_source(ctx, "pretrain_model"),
-              version=2),  # v2: the last update of the schedule is no longer at rate 0
+              # v2: the last update of the schedule is no longer at rate 0; v3: a continued
+              # run computes at its own precision, not its source's
+              version=3),
     # The tokenizer and the encode settings travel with the classifier it hands over.
     StageSpec("finetune", inputs=("pretrain/encoder.keras", "tokenizer/tokenizer.json",
                                   *LABELLED_INPUTS),

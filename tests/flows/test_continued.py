@@ -23,8 +23,10 @@ def _weights(path):
 def test_run_b_continues_run_a_with_its_tokenizer(tiny_run, tmp_path):
     a, _, _ = tiny_run
     # A rate of ~0: B's encoder must come out as A's, which proves where B started from.
+    # B computes in mixed bf16 where A computed in float32: B's own precision wins.
     cfg = build_config("tiny", overrides=[*OTHER, f"pretrain.init_from={a}",
-                                          "pretrain.learning_rate=1e-12"])
+                                          "pretrain.learning_rate=1e-12",
+                                          "pretrain.mixed_precision=bf16"])
     b = tmp_path / "b"
     results = {r.stage: r for r in run_pipeline(cfg, "pydocs", workdir=str(b),
                                                 stages=UP_TO_PRETRAIN, tracking=False)}
@@ -35,6 +37,11 @@ def test_run_b_continues_run_a_with_its_tokenizer(tiny_run, tmp_path):
     for mine, theirs in zip(_weights(b / "pretrain" / "encoder.keras"),
                             _weights(a / "pretrain" / "encoder.keras")):
         np.testing.assert_allclose(mine, theirs, atol=1e-6)
+    policies = {run.name: {layer.dtype_policy.name
+                           for layer in load_keras_model(run / "pretrain" / "encoder.keras").layers
+                           if layer.name not in ("input_ids", "padding_mask")}
+                for run in (a, b)}
+    assert policies == {a.name: {"float32"}, "b": {"mixed_bfloat16"}}, policies
     # Its documents really are another corpus.
     assert results["ingest"].counts["kept"] > 0
 
