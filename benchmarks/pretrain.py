@@ -28,9 +28,13 @@ per contender per round, for `--rounds` rounds, so load from other jobs hits all
                keras-full (vocabulary head on every position) and keras-gathered (the head
                on the P selected positions, like ours)
   hf           Hugging Face BertForMaskedLM on PyTorch CPU (the `bench` extra)
+  hf-fp32      the same in float32 whatever ours' precision (beside `hf` under --precision bf16)
   keras-draws  ours, but with keras' own dropout draws (the dropout change's before)
   no-dropout   ours at dropout 0 (what dropout costs)
 Peers see exactly ours' batches of those steps, at full length (as a plain user pads).
+Peers compute at ours' precision: under `--precision bf16` the plain Keras peers take the
+mixed_bfloat16 policy and Hugging Face runs under torch.autocast(bfloat16), as each library's
+users turn mixed precision on (float32 weights and optimizer either way).
 
 FLOPs/token (forward + backward) = 6 * (non-embedding params + V*H*P/L, the
 gathered vocabulary projection) + 12 * layers * L * H (attention scores and
@@ -58,7 +62,7 @@ from selfsup_model.specials import PAD_ID
 REFERENCE = {"hidden": 256, "layers": 4, "ff": 1024, "vocab": 8192, "seq": 128,  # heads = 4
              "batch": 32}
 REFERENCE_TARGET_TOKENS_PER_S = 9_000
-PEERS = ("keras", "hf", "keras-draws", "no-dropout")
+PEERS = ("keras", "hf", "hf-fp32", "keras-draws", "no-dropout")
 
 
 def size_spec(name: str, args) -> dict:
@@ -304,8 +308,20 @@ def validation_loss(model, spec: dict, train_windows) -> dict:
 
 # --- peers ------------------------------------------------------------------------------------
 
-def build_keras_peer(spec: dict, head: str, jit: str):
-    """A plain Keras 3 BERT encoder + MLM head, as a Keras user writes one from the docs."""
+def build_keras_peer(spec: dict, head: str, jit: str, policy: str = "float32"):
+    """A plain Keras 3 BERT encoder + MLM head, as a Keras user writes one from the docs; under
+    `policy` (Keras' global dtype policy while it is built, as the mixed-precision guide does)."""
+    import keras
+
+    before = keras.config.dtype_policy().name
+    keras.config.set_dtype_policy(policy)
+    try:
+        return _keras_peer(spec, head, jit)
+    finally:
+        keras.config.set_dtype_policy(before)
+
+
+def _keras_peer(spec: dict, head: str, jit: str):
     import keras
     from keras import layers, ops
 
@@ -339,7 +355,8 @@ def build_keras_peer(spec: dict, head: str, jit: str):
         x = ops.take_along_axis(x, ops.expand_dims(positions, -1), axis=1)  # (B, P, H)
         inputs = {"input_ids": ids, "mask_positions": positions}
     x = layers.LayerNormalization(epsilon=eps)(layers.Dense(h, activation="gelu")(x))
-    model = keras.Model(inputs, layers.Dense(spec["vocab"])(x))
+    logits = layers.Dense(spec["vocab"], dtype="float32")(x)  # the guide: float32 outputs
+    model = keras.Model(inputs, logits)
     model.compile(optimizer=keras.optimizers.AdamW(1e-4),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   jit_compile={"auto": "auto", "on": True, "off": False}[jit])
@@ -388,9 +405,10 @@ def ours_contender(name: str, model, data) -> Contender:
     return Contender(name, run, lambda s: step_tokens(data, s), data)
 
 
-def hf_contender(spec: dict, reference) -> Contender | None:
+def hf_contender(spec: dict, reference, bf16: bool, name: str = "hf") -> Contender | None:
     """The same architecture as a Hugging Face BertForMaskedLM on torch (CPU), dense MLM head,
-    on ours' batches padded to full length."""
+    on ours' batches padded to full length; `bf16`: forward and loss under
+    torch.autocast(bfloat16) (float32 weights and AdamW, as torch's AMP recipe)."""
     try:
         import torch
         from transformers import BertConfig, BertForMaskedLM
@@ -415,16 +433,18 @@ def hf_contender(spec: dict, reference) -> Contender | None:
             ids = torch.from_numpy(batch[0]["input_ids"].astype(np.int64))
             labels = torch.from_numpy(np.where(weights > 0, targets, -100).astype(np.int64))
             t = time.perf_counter()
-            loss = model(input_ids=ids, attention_mask=(ids != PAD_ID).long(), labels=labels).loss
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                loss = model(input_ids=ids, attention_mask=(ids != PAD_ID).long(),
+                             labels=labels).loss
             loss.backward()
             opt.step()
             opt.zero_grad()
             times.append(time.perf_counter() - t)
         return times
 
-    print(f"# hf: torch {torch.__version__}, {torch.get_num_threads()} threads, attention "
-          f"{model.config._attn_implementation}", file=sys.stderr)
-    return Contender("hf", run, lambda s: step_tokens(reference, s))
+    print(f"# {name}: torch {torch.__version__}, {torch.get_num_threads()} threads, attention "
+          f"{model.config._attn_implementation}, autocast bfloat16 {bf16}", file=sys.stderr)
+    return Contender(name, run, lambda s: step_tokens(reference, s))
 
 
 def contenders(spec: dict, args, windows, peers: list[str]) -> tuple[list[Contender], dict]:
@@ -455,15 +475,18 @@ def contenders(spec: dict, args, windows, peers: list[str]) -> tuple[list[Conten
         def ref_tokens(step):
             return step_tokens(reference, step)
 
-        out.append(keras_contender("keras-full", build_keras_peer(spec, "full", args.peer_jit),
+        out.append(keras_contender("keras-full",
+                                   build_keras_peer(spec, "full", args.peer_jit, policy),
                                    full, ref_tokens))
         out.append(keras_contender("keras-gathered",
-                                   build_keras_peer(spec, "gathered", args.peer_jit), gathered,
-                                   ref_tokens))
-    if "hf" in peers:
-        hf = hf_contender(spec, reference)
-        if hf is not None:
-            out.append(hf)
+                                   build_keras_peer(spec, "gathered", args.peer_jit, policy),
+                                   gathered, ref_tokens))
+    for name in ("hf", "hf-fp32"):
+        if name in peers:
+            bf16 = name == "hf" and policy == "mixed_bfloat16"
+            hf = hf_contender(spec, reference, bf16, name)
+            if hf is not None:
+                out.append(hf)
     info = {"policy": policy, "jit": jit, "length_buckets": buckets,
             "peer_jit": args.peer_jit}
     return out, info
