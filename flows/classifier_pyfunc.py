@@ -30,7 +30,9 @@ class SelfsupClassifier(PythonModel):
     def predict(self, context, model_input: pd.DataFrame, params=None) -> pd.DataFrame:
         if not isinstance(model_input, pd.DataFrame) or "text" not in model_input.columns:
             raise ValueError("input must be a table with a 'text' column")
-        texts = ["" if t is None else str(t) for t in model_input["text"].tolist()]
+        # MLflow's schema enforcement turns a null text (None, JSON null) into NaN: missing, not
+        # the word "nan".
+        texts = ["" if pd.isna(t) else str(t) for t in model_input["text"].tolist()]
         probs, kept = self.bundle.predict_proba(texts)
         if len(kept) < len(texts):
             missing = sorted(set(range(len(texts))) - set(kept.tolist()))

@@ -273,6 +273,15 @@ def _pretrained_model(workdir: str):
     model_path = verified_outputs(workdir, "pretrain", ["pretrain_model.keras"],
                                   "pretrained model")[0]
     tok_path = verified_outputs(workdir, "tokenizer", ["tokenizer.json"], "tokenizer")[0]
+    # The tokenizer must be the one pretraining read: one refitted since (a rerun of the
+    # tokenizer stage alone) maps text to ids the model never learned.
+    from selfsup_model.artifacts import read_manifest, sha256_file
+
+    trained_with = read_manifest(model_path.parent).inputs.get("tokenizer/tokenizer.json")
+    if trained_with != sha256_file(tok_path):
+        raise UserError(f"the tokenizer in {workdir} is not the one its pretrained model was "
+                        f"trained with (refitted since); rerun: selfsup run --workdir {workdir} "
+                        "--from pretrain")
     return load_keras_model(model_path), load_tokenizer(tok_path)
 
 

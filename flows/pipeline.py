@@ -193,9 +193,12 @@ def predict_flow(source: str, out: str, workdir: str = DEFAULT_WORKDIR,
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     outcome = run_predict(workdir, source, out, text_column=text_column, id_column=id_column,
                           batch_size=batch_size)
-    if outcome.out is not None and len(outcome.rejects):
+    if outcome.out is not None:
         rejects_path = outcome.out.with_name(outcome.out.stem + ".rejects.csv")
-        write_predictions(outcome.rejects, rejects_path)
+        if len(outcome.rejects):
+            write_predictions(outcome.rejects, rejects_path)
+        else:  # an earlier night's rejects must not pass for tonight's
+            rejects_path.unlink(missing_ok=True)
     create_markdown_artifact(key="selfsup-predictions",
                              markdown=label_counts_markdown(outcome, source, workdir),
                              description="selfsup: label counts of a scoring run")

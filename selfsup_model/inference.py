@@ -169,7 +169,11 @@ class ClassifierBundle:
     def load(cls, directory: str | Path) -> ClassifierBundle:
         directory = Path(directory)
         spec = read_spec(directory)
-        for name, digest in spec["sha256"].items():
+        digests = spec.get("sha256") if isinstance(spec.get("sha256"), dict) else {}
+        if unhashed := [n for n in (CLASSIFIER_FILE, TOKENIZER_FILE) if n not in digests]:
+            raise ArtifactError(f"{directory / SPEC_FILE} records no sha256 for {unhashed}: not "
+                                "a bundle the finetune stage wrote; rerun it")
+        for name, digest in digests.items():
             path = directory / name
             if not path.is_file():
                 raise ArtifactError(f"{path} is missing; rerun the finetune stage")

@@ -118,6 +118,10 @@ def test_predict_flow_writes_predictions_rejects_and_a_summary(tiny_run, tmp_pat
     assert len(pd.read_parquet(out)) == 3
     rejects = pd.read_csv(tmp_path / "scored.rejects.csv")
     assert rejects[["id", "reason"]].values.tolist() == [["broken.txt", "binary"]]
+    # The next run over clean input leaves no earlier run's rejects beside its predictions.
+    (folder / "broken.txt").unlink()
+    assert predict_flow(source=str(folder), out=str(out), workdir=str(wd))["rejected"] == 0
+    assert not (tmp_path / "scored.rejects.csv").exists()
 
 
 def test_fill_mask_prints_top_k_per_mask_and_generate_refuses_a_masked_lm(tiny_run, capsys):
@@ -149,6 +153,19 @@ def test_generate_on_a_causal_run_and_fill_mask_refuses_it(tiny_run, tmp_path, c
     assert "stopped: " in captured.err
     assert main(["fill-mask", "the [MASK]", "--workdir", str(wd)]) == 2
     assert "needs a masked-LM run" in capsys.readouterr().err
+
+
+def test_fill_mask_refuses_a_tokenizer_refitted_after_pretraining(tiny_run, tmp_path, capsys):
+    import shutil
+
+    reference, _, _ = tiny_run
+    wd = tmp_path / "refit"
+    shutil.copytree(reference, wd, ignore=shutil.ignore_patterns("mlflow.db", "mlartifacts"))
+    assert main(["run", "--workdir", str(wd), "--only", "tokenizer", "--no-tracking",
+                 "--set", "tokenizer.lowercase=false"]) == 0
+    capsys.readouterr()
+    assert main(["fill-mask", "the [MASK] module", "--workdir", str(wd)]) == 2
+    assert "not the one its pretrained model was trained with" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name, message", [

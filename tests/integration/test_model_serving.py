@@ -69,6 +69,9 @@ def test_the_registered_model_round_trips_through_pyfunc(registered):
                                                *(f"p_{c}" for c in classes)]
     with pytest.raises(Exception, match="no text to classify"):
         model.predict(pd.DataFrame({"text": ["fine text", "   "]}))
+    # A null text reaches predict as NaN after MLflow's schema check: missing, not "nan".
+    with pytest.raises(Exception, match=r"rows \[1\] have no text"):
+        model.predict(pd.DataFrame({"text": ["fine text", None]}))
 
 
 def test_mlflow_models_serve_answers_like_selfsup_predict(registered, tmp_path):

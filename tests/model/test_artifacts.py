@@ -41,3 +41,20 @@ def test_unreadable_manifest_is_not_trusted(tmp_path):
     assert read_manifest(tmp_path) is None
     (tmp_path / "manifest.json").write_text(json.dumps({"stage": "x", "surprise": 1}))
     assert read_manifest(tmp_path) is None
+
+
+def test_atomic_writes_get_the_permissions_open_would_give(tmp_path):
+    import os
+    import stat
+
+    from selfsup_model.artifacts import atomic_write_text
+
+    previous = os.umask(0o027)
+    try:
+        atomic_write_text(tmp_path / "spec.json", "{}")
+        with open(tmp_path / "plain.json", "w", encoding="utf-8") as fh:
+            fh.write("{}")
+    finally:
+        os.umask(previous)
+    mode = stat.S_IMODE((tmp_path / "spec.json").stat().st_mode)
+    assert mode == stat.S_IMODE((tmp_path / "plain.json").stat().st_mode) == 0o640

@@ -135,6 +135,18 @@ def test_a_changed_bundle_file_is_refused(bundle_dir, tmp_path):
         ClassifierBundle.load(copy)
 
 
+def test_a_spec_that_leaves_a_file_unhashed_is_refused(bundle_dir, tmp_path):
+    import shutil
+
+    copy = tmp_path / "b"
+    shutil.copytree(bundle_dir, copy)
+    spec = json.loads((copy / SPEC_FILE).read_text())
+    del spec["sha256"]["tokenizer.json"]  # the tokenizer would load unverified
+    (copy / SPEC_FILE).write_text(json.dumps(spec))
+    with pytest.raises(ArtifactError, match="no sha256 for .'tokenizer.json'"):
+        ClassifierBundle.load(copy)
+
+
 def test_missing_or_skipped_spec_is_one_clear_error(tmp_path):
     with pytest.raises(UserError, match="no finished classifier"):
         read_spec(tmp_path)
