@@ -178,10 +178,26 @@ class PretrainConfig(_Section):
                     "encode.max_len (rounded up to multiples of 8); each window goes in the "
                     "shortest that holds its real tokens, so less padding is computed. "
                     "1: every batch at max_len.")
+    contrastive_weight: float = Field(
+        0.0, ge=0.0,
+        description="Weight of a same-document contrastive term added to the objective's loss: "
+                    "each batch holds batch_size/2 pairs of windows of one document (a "
+                    "one-window document pairs with itself, corrupted twice), and the pooled "
+                    "final states of a pair are pulled together against the batch's other "
+                    "windows (InfoNCE). 0: the objective's loss alone.")
+    contrastive_temperature: float = Field(0.05, gt=0.0, le=1.0,
+                                           description="InfoNCE temperature of that term.")
     seed: int = 42
     init_from: str | None = Field(
         None, description="Continue pretraining from another selfsup run: its workdir or its "
                           "pretrain/encoder.keras. Its tokenizer is reused, not refitted.")
+
+    @model_validator(mode="after")
+    def _check_pairs(self) -> PretrainConfig:
+        if self.contrastive_weight > 0 and (self.batch_size < 4 or self.batch_size % 2):
+            raise ValueError("pretrain.contrastive_weight > 0 pairs windows: pretrain.batch_size "
+                             f"must be even and at least 4, got {self.batch_size}")
+        return self
 
 
 class FinetuneConfig(_Section):

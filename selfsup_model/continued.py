@@ -65,8 +65,10 @@ def resolve_init_source(init_from: str) -> InitSource:
 
 
 def check_compatible(backbone: keras.Model, *, vocab_size: int, max_len: int, causal: bool,
-                     model_cfg: ModelConfig, tokenizer_sha256: str, source: InitSource) -> None:
-    """Refuse, with the reason, a checkpoint that does not fit this run."""
+                     model_cfg: ModelConfig, tokenizer_sha256: str, source: InitSource,
+                     head_tied: bool | None = None) -> None:
+    """Refuse, with the reason, a checkpoint that does not fit this run (`head_tied`: whether
+    its objective head shares the token embedding, when the head continues too)."""
     if tokenizer_sha256 != source.tokenizer_sha256:
         raise UserError(f"this run's tokenizer (sha256 {tokenizer_sha256[:12]}) is not the one "
                         f"{source.describe()} was trained with ({source.tokenizer_sha256[:12]}); "
@@ -82,6 +84,8 @@ def check_compatible(backbone: keras.Model, *, vocab_size: int, max_len: int, ca
     blocks = [layer for layer in backbone.layers if isinstance(layer, TransformerEncoderBlock)]
     found = {"hidden": embedding.hidden, "layers": len(blocks), "heads": blocks[0].heads,
              "ff": blocks[0].ff, "norm": blocks[0].norm}
+    if head_tied is not None:
+        found["tie_embeddings"] = head_tied
     wanted = {key: getattr(model_cfg, key) for key in found}
     differ = [f"model.{k}={wanted[k]} (checkpoint: {found[k]})" for k in found
               if found[k] != wanted[k]]

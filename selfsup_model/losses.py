@@ -139,3 +139,22 @@ class WeightedLossAccumulator:
     @property
     def accuracy(self) -> float:
         return self.correct_sum / self.weight_sum if self.weight_sum > 0 else float("nan")
+
+
+def paired_info_nce(pooled, temperature: float):
+    """Symmetric InfoNCE over (2N, H) vectors whose rows 2i and 2i+1 are a positive pair.
+
+    Each row is L2-normalised; the N x N cosine similarities of the even rows against the odd
+    ones, over `temperature`, are scored with cross-entropy towards the diagonal, both ways,
+    and averaged: log(N) at chance, 0 when every pair is told apart from the rest. In
+    float32 whatever the compute dtype.
+    """
+    z = ops.cast(pooled, "float32")
+    z = z / ops.maximum(ops.sqrt(ops.sum(z * z, axis=-1, keepdims=True)), 1e-6)
+    pairs = ops.reshape(z, (-1, 2, ops.shape(z)[-1]))  # (N, 2, H)
+    logits = ops.matmul(pairs[:, 0], ops.transpose(pairs[:, 1])) / temperature  # (N, N)
+    target = ops.arange(ops.shape(logits)[0])
+    forward = ops.sparse_categorical_crossentropy(target, logits, from_logits=True)
+    backward = ops.sparse_categorical_crossentropy(target, ops.transpose(logits),
+                                                   from_logits=True)
+    return 0.5 * (ops.mean(forward) + ops.mean(backward))

@@ -19,6 +19,7 @@ from __future__ import annotations
 import keras
 from keras import layers, ops
 
+from selfsup_model.classify import MaskedMeanPooling
 from selfsup_model.config import ModelConfig
 from selfsup_model.layers import (
     PaddingMask,
@@ -28,7 +29,7 @@ from selfsup_model.layers import (
     gelu,
     truncated_normal_init,
 )
-from selfsup_model.losses import TokenWeightedLoss, token_weighted_loss
+from selfsup_model.losses import TokenWeightedLoss, paired_info_nce, token_weighted_loss
 from selfsup_model.saving import serializable
 
 EMBEDDING_LAYER = "embeddings"
@@ -193,10 +194,16 @@ class PretrainingModel(keras.Model):
     `compute_loss` returns the token-weighted loss sum(w * ce) / sum(w) with the
     targets and weights passed to `fit` as (y, sample_weight), so the backend's
     own train_step does gradients, optimiser, XLA and mixed precision.
+
+    With `contrastive_weight` > 0 the model also outputs the masked mean of the final states
+    (B, H), the pooling the classifier and the linear probe read, and the loss adds that
+    weight times `losses.paired_info_nce` of it: the batches pair rows 2i and 2i+1 (two
+    windows of one document, `PretrainBatches(pairs=True)`).
     """
 
     def __init__(self, backbone: keras.Model, objective: str = "mlm", tie_embeddings: bool = True,
-                 seed: int | None = None, **kwargs):
+                 seed: int | None = None, contrastive_weight: float = 0.0,
+                 contrastive_temperature: float = 0.05, **kwargs):
         head = _make_head(objective, backbone, tie_embeddings, seed=seed)
         ids = keras.Input(shape=(None,), dtype="int32", name="input_ids")
         inputs = {"input_ids": ids}
@@ -204,24 +211,39 @@ class PretrainingModel(keras.Model):
         if objective == "mlm":
             positions = keras.Input(shape=(None,), dtype="int32", name="mask_positions")
             inputs["mask_positions"] = positions
-            logits = head(states, mask_positions=positions)  # (B, P, V)
+            outputs = head(states, mask_positions=positions)  # (B, P, V)
         else:
-            logits = head(states)  # (B, L-1, V)
-        super().__init__(inputs=inputs, outputs=logits, **kwargs)
+            outputs = head(states)  # (B, L-1, V)
+        if contrastive_weight > 0:
+            outputs = [outputs, MaskedMeanPooling(name="contrastive_pool")(states, ids)]
+        super().__init__(inputs=inputs, outputs=outputs, **kwargs)
         self.backbone, self.head = backbone, head
         self.objective, self.tie_embeddings, self.seed = objective, bool(tie_embeddings), seed
+        self.contrastive_weight = float(contrastive_weight)
+        self.contrastive_temperature = float(contrastive_temperature)
         self.token_loss = TokenWeightedLoss(name=f"{objective}_loss")
+        # A running sum (reset with the epoch, like token_loss): the reporter takes differences.
+        self.contrastive_loss = (keras.metrics.Sum(name="contrastive_loss_sum")
+                                 if contrastive_weight > 0 else None)
 
     def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
         if sample_weight is None:
             raise ValueError("pretraining needs per-token weights: fit on (x, targets, weights)")
+        logits = y_pred[0] if self.contrastive_loss is not None else y_pred
         # A batch with nothing scored gives 0 (no NaN, no gradient); the metric counts it.
-        return token_weighted_loss(y, y_pred, sample_weight, metric=self.token_loss)
+        loss = token_weighted_loss(y, logits, sample_weight, metric=self.token_loss)
+        if self.contrastive_loss is None:
+            return loss
+        contrastive = paired_info_nce(y_pred[1], self.contrastive_temperature)
+        self.contrastive_loss.update_state(contrastive)
+        return loss + self.contrastive_weight * contrastive
 
     def get_config(self):
         return {"backbone": keras.saving.serialize_keras_object(self.backbone),
                 "objective": self.objective, "tie_embeddings": self.tie_embeddings,
-                "seed": self.seed, "name": self.name, "trainable": self.trainable}
+                "seed": self.seed, "contrastive_weight": self.contrastive_weight,
+                "contrastive_temperature": self.contrastive_temperature,
+                "name": self.name, "trainable": self.trainable}
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
@@ -257,10 +279,14 @@ class PretrainExportModel(keras.Model):
 
 
 def build_pretraining_model(backbone: keras.Model, objective: str, cfg: ModelConfig,
-                            seed: int | None = None) -> PretrainingModel:
-    """Backbone + a new objective head (its weights fixed by `seed`), ready to compile and fit."""
+                            seed: int | None = None, contrastive_weight: float = 0.0,
+                            contrastive_temperature: float = 0.05) -> PretrainingModel:
+    """Backbone + a new objective head (its weights fixed by `seed`), ready to compile and fit;
+    with `contrastive_weight` > 0, also the paired contrastive term (`PretrainingModel`)."""
     return PretrainingModel(backbone, objective=objective, tie_embeddings=cfg.tie_embeddings,
-                            seed=derive_seed(seed, "head"), name=f"{objective}_pretraining")
+                            seed=derive_seed(seed, "head"), contrastive_weight=contrastive_weight,
+                            contrastive_temperature=contrastive_temperature,
+                            name=f"{objective}_pretraining")
 
 
 def build_pretrain_export_model(backbone: keras.Model, head: CausalLMHead,

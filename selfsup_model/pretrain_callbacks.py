@@ -95,7 +95,7 @@ class MetricsReporter(keras.callbacks.Callback):
                        "timed_seconds": 0.0, "timed_positions": 0, "timed_real_tokens": 0,
                        "positions": 0, "real_tokens": 0, **state.get("totals", {})}
         self.epoch, self.step = 0, 0
-        self._seen = (0.0, 0.0, 0.0)
+        self._seen, self._contrastive_seen = (0.0, 0.0, 0.0), 0.0
         self._t_prev: float | None = None
         self._shapes_run: set[tuple[int, int]] = set()  # input shapes this process has run
 
@@ -116,7 +116,7 @@ class MetricsReporter(keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch, logs=None):
         # Keras resets metric state at every epoch start: the running sums restart at 0.
-        self.epoch, self._seen = epoch, (0.0, 0.0, 0.0)
+        self.epoch, self._seen, self._contrastive_seen = epoch, (0.0, 0.0, 0.0), 0.0
         self._t_prev = time.perf_counter()  # checkpoint time before this is not step time
 
     def on_train_batch_end(self, batch, logs=None):
@@ -150,6 +150,12 @@ class MetricsReporter(keras.callbacks.Callback):
         self._seen = now
         self.window["loss_sum"] += loss
         self.window["weight_sum"] += weight
+        if "contrastive_loss_sum" in logs:  # a running sum of per-step values, like the above
+            total = float(logs["contrastive_loss_sum"])
+            self.window["contrastive_sum"] = (self.window.get("contrastive_sum", 0.0)
+                                              + total - self._contrastive_seen)
+            self.window["contrastive_steps"] = self.window.get("contrastive_steps", 0) + 1
+            self._contrastive_seen = total
         self.totals["scored_tokens"] += weight
         self.totals["empty_batches"] += empty
 
@@ -157,6 +163,8 @@ class MetricsReporter(keras.callbacks.Callback):
         w = self.window
         out = ({f"train/{self.objective}_loss": w["loss_sum"] / w["weight_sum"]}
                if w["weight_sum"] > 0 else {})
+        if w.get("contrastive_steps"):
+            out["train/contrastive_loss"] = w["contrastive_sum"] / w["contrastive_steps"]
         out["train/scored_tokens"] = w["weight_sum"]
         out["train/empty_batches"] = self.totals["empty_batches"]
         out["train/learning_rate"] = self.learning_rate(self.step)

@@ -16,6 +16,11 @@ s // ceil(n / B). A batch is trimmed to its length: only [PAD] columns go, so
 the model's outputs at real positions do not change, and the set of shapes is
 small and fixed (a compiled backend builds one program per shape).
 
+With `pairs` (a contrastive term in the loss), a step holds B/2 anchor windows laid out as
+above with B/2 in place of B, and each anchor is followed by a partner: another window of the
+same document, drawn from a Generator seeded by (seed, s), or the anchor itself when its
+document has one window. A bucketed batch takes the length its partners need too.
+
 Corruption for step s is drawn from a Generator seeded by (seed, s) (dynamic
 masking: a window gets a new selection on every pass) or, with static training
 masks, by (seed, window index) on the untrimmed window, which gives each window
@@ -41,7 +46,7 @@ from selfsup_model.windows import causal_lm_batch
 
 # Independent random streams per purpose, so the pass order and the corruption
 # of equal-numbered passes/steps are not the same numbers.
-_ORDER_STREAM, _DYNAMIC_STREAM, _STATIC_STREAM = 0, 1, 2
+_ORDER_STREAM, _DYNAMIC_STREAM, _STATIC_STREAM, _PAIR_STREAM = 0, 1, 2, 3
 _CHUNK_ROWS = 1 << 16  # windows scanned at a time when measuring lengths (bounded memory)
 
 
@@ -100,6 +105,17 @@ def check_windows(windows, vocab_size: int) -> None:
                         f"got {vocab_size}")
 
 
+def _document_extents(doc_offsets, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """(n,) first window and window count of each window's document, from (docs + 1,) offsets."""
+    offsets = None if doc_offsets is None else np.asarray(doc_offsets, dtype=np.int64)
+    if (offsets is None or offsets.ndim != 1 or len(offsets) < 2 or offsets[0] != 0
+            or offsets[-1] != n or np.any(np.diff(offsets) < 0)):
+        raise UserError(f"pairing windows by document needs offsets from 0 to the {n} training "
+                        "windows, non-decreasing; rerun the encode stage")
+    counts = np.diff(offsets)  # (docs,)
+    return np.repeat(offsets[:-1], counts), np.repeat(counts, counts)
+
+
 class _PassLayout(NamedTuple):
     flat: np.ndarray  # (n,) window indices, batch after batch
     starts: np.ndarray  # (batches + 1,) where each batch begins in `flat`
@@ -110,11 +126,14 @@ class PretrainBatches(keras.utils.PyDataset):
     """Item i is global step `start_step + i`: mlm -> ({input_ids, mask_positions}, mask_ids,
     mask_weights); clm -> ({input_ids}, target_ids, loss_weights). input_ids (and clm's
     targets/weights) are (B, Lb) for the step's bucket length Lb (clm: Lb - 1); the mlm
-    gathered arrays keep their fixed width P = masking.max_predictions."""
+    gathered arrays keep their fixed width P = masking.max_predictions. With `pairs`, rows 2i
+    and 2i+1 are two windows of one document (`doc_offsets`: (docs + 1,) first window of each
+    document, ending at n)."""
 
     def __init__(self, windows, *, objective: str, batch_size: int, total_steps: int, seed: int,
                  masking: MaskingConfig | None = None, vocab_size: int | None = None,
-                 static_masks: bool = False, start_step: int = 0, length_buckets: int = 1):
+                 static_masks: bool = False, start_step: int = 0, length_buckets: int = 1,
+                 pairs: bool = False, doc_offsets: np.ndarray | None = None):
         # One worker, no multiprocessing: the batch for an index is built on demand and
         # tf.data's prefetch overlaps it with the step; workers would copy the memmap.
         super().__init__(workers=1, use_multiprocessing=False)
@@ -124,6 +143,14 @@ class PretrainBatches(keras.utils.PyDataset):
         self.total_steps, self.start_step, self.seed = int(total_steps), int(start_step), int(seed)
         self.masking, self.vocab_size, self.static_masks = masking, vocab_size, static_masks
         self.max_len = int(windows.shape[1])
+        self.pairs = bool(pairs)
+        if self.pairs:
+            if self.batch_size < 4 or self.batch_size % 2:
+                raise UserError("paired batches need an even batch_size of at least 4, "
+                                f"got {self.batch_size}")
+            self._first, self._span = _document_extents(doc_offsets, len(windows))
+        # Windows laid out per step: the anchors, each followed by its partner when paired.
+        self._rows = self.batch_size // 2 if self.pairs else self.batch_size
         self.bucket_lengths = bucket_lengths(self.max_len, int(length_buckets))
         self.real, extent = real_lengths(windows)  # (n,), (n,)
         self.bucket_of = np.searchsorted(self.bucket_lengths, extent)  # (n,) bucket index
@@ -138,7 +165,7 @@ class PretrainBatches(keras.utils.PyDataset):
 
     @property
     def batches_per_pass(self) -> int:
-        return math.ceil(len(self.windows) / self.batch_size)
+        return math.ceil(len(self.windows) / self._rows)
 
     def __len__(self) -> int:
         return max(0, self.total_steps - self.start_step)
@@ -169,7 +196,7 @@ class PretrainBatches(keras.utils.PyDataset):
 
     def _lay_out(self, pass_index: int) -> _PassLayout:
         rng = np.random.default_rng([self.seed, _ORDER_STREAM, pass_index])
-        size, batches, spare = self.batch_size, [], []
+        size, batches, spare = self._rows, [], []
         for members in self._members:
             shuffled = members[rng.permutation(len(members))]
             cut = len(shuffled) - len(shuffled) % size
@@ -189,14 +216,27 @@ class PretrainBatches(keras.utils.PyDataset):
 
     def window_indices(self, step: int) -> np.ndarray:
         """(B,) indices of the windows that global step `step` (0-based) trains on (with
-        buckets, fewer for the one short batch of a pass)."""
+        buckets, fewer for the one short batch of a pass); paired: anchor, partner, ..."""
+        anchors = self._anchors(step)
+        if not self.pairs:
+            return anchors
+        return np.stack([anchors, self._partners(anchors, step)], axis=1).reshape(-1)
+
+    def _partners(self, anchors: np.ndarray, step: int) -> np.ndarray:
+        """Another window of each anchor's document, uniformly (the anchor if it has none)."""
+        first, span = self._first[anchors], self._span[anchors]
+        rng = np.random.default_rng([self.seed, _PAIR_STREAM, step])
+        shift = 1 + rng.integers(0, np.maximum(span - 1, 1))  # 1 .. span-1
+        return np.where(span > 1, first + (anchors - first + shift) % span, anchors)
+
+    def _anchors(self, step: int) -> np.ndarray:
         if self.bucketed:
             layout, batch = self._locate(step)
             return layout.flat[layout.starts[batch]:layout.starts[batch + 1]]
         n = len(self.windows)
-        stream = step * self.batch_size + np.arange(self.batch_size, dtype=np.int64)
+        stream = step * self._rows + np.arange(self._rows, dtype=np.int64)
         passes, offsets = np.divmod(stream, n)
-        out = np.empty(self.batch_size, dtype=np.int64)
+        out = np.empty(self._rows, dtype=np.int64)
         for p in np.unique(passes):
             here = passes == p
             out[here] = self._order(int(p))[offsets[here]]
@@ -206,6 +246,8 @@ class PretrainBatches(keras.utils.PyDataset):
         """The window length step `step` is trimmed to (before the causal shift)."""
         if not self.bucketed:
             return self.max_len
+        if self.pairs:  # partners may need a longer bucket than their anchors
+            return int(self.bucket_lengths[self.bucket_of[self.window_indices(step)].max()])
         layout, batch = self._locate(step)
         return int(layout.lengths[batch])
 
@@ -220,7 +262,8 @@ class PretrainBatches(keras.utils.PyDataset):
         return StepTokens(len(index), length, int(real.sum()))
 
     def shapes(self) -> set[tuple[int, int]]:
-        """Every (rows, length) input_ids shape a step can have: the same in every pass."""
+        """Every (rows, length) input_ids shape a step can have: the same in every pass
+        (paired: the first pass's; a partner can lengthen another pass's batch)."""
         steps = range(self.batches_per_pass) if self.bucketed else range(1)
         return {(t.rows, t.length) for t in map(self.step_tokens, steps)}
 

@@ -15,6 +15,7 @@ import logging
 import math
 import sys
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -98,10 +99,16 @@ def pretrain(train_windows, val_masks, vocab_size: int, model_cfg: ModelConfig,
              pretrain_cfg: PretrainConfig,
              masking_cfg: MaskingConfig, out_dir, log_metrics: LogFn | None = None,
              progress: bool = True, init: InitSource | None = None,
-             tokenizer_sha256: str | None = None) -> PretrainResult | None:
+             tokenizer_sha256: str | None = None,
+             doc_offsets: np.ndarray | None = None,
+             inputs_sha256: Mapping[str, str] | None = None) -> PretrainResult | None:
     """Pretrain an encoder on (n, max_len) windows, resuming from `out_dir/checkpoints` if
     present; with `init`, start from that run's pretrained model (continued pretraining),
-    whose tokenizer must be this run's (`tokenizer_sha256`). Under JAX with several devices
+    whose tokenizer must be this run's (`tokenizer_sha256`). `doc_offsets` ((docs + 1,), the
+    first window of each document) is what a contrastive term pairs windows by
+    (`pretrain_cfg.contrastive_weight`). `inputs_sha256` (what the inputs and the code are:
+    file hashes, the stage's version) joins the configuration in the checkpoints' fingerprint,
+    so a checkpoint of other data or older code is never resumed. Under JAX with several devices
     it runs data-parallel (`devices.data_parallel`).
 
     Several processes (Keras' ``KERAS_DISTRIBUTION_*`` launch variables, `devices.
@@ -111,13 +118,15 @@ def pretrain(train_windows, val_masks, vocab_size: int, model_cfg: ModelConfig,
     writes no mid-run checkpoints (nothing to resume from)."""
     with data_parallel_scope(pretrain_cfg.batch_size, "pretraining"):
         return _pretrain(train_windows, val_masks, vocab_size, model_cfg, pretrain_cfg,
-                         masking_cfg, out_dir, log_metrics, progress, init, tokenizer_sha256)
+                         masking_cfg, out_dir, log_metrics, progress, init, tokenizer_sha256,
+                         doc_offsets, inputs_sha256)
 
 
 def _pretrain(train_windows, val_masks, vocab_size: int, model_cfg: ModelConfig,
               pretrain_cfg: PretrainConfig, masking_cfg: MaskingConfig, out_dir,
               log_metrics: LogFn | None, progress: bool, init: InitSource | None,
-              tokenizer_sha256: str | None) -> PretrainResult:
+              tokenizer_sha256: str | None, doc_offsets: np.ndarray | None,
+              inputs_sha256: Mapping[str, str] | None) -> PretrainResult:
     check_windows(train_windows, vocab_size)
     out_dir, obj, cfg = Path(out_dir), pretrain_cfg.objective, pretrain_cfg
     processes, writer = process_count(), process_index() == 0
@@ -131,7 +140,8 @@ def _pretrain(train_windows, val_masks, vocab_size: int, model_cfg: ModelConfig,
     fingerprint = sha256_json({"model": model_cfg.model_dump(), "pretrain": cfg.model_dump(),
                                "masks": masking_cfg.model_dump(), "vocab_size": vocab_size,
                                "windows": list(train_windows.shape),
-                               "init": init.pretrain_model_sha256 if init else None})
+                               "init": init.pretrain_model_sha256 if init else None,
+                               "inputs": dict(sorted((inputs_sha256 or {}).items()))})
 
     record = read_checkpoint(ckpt_dir) if processes == 1 else None
     if record is not None and record.get("fingerprint") != fingerprint:
@@ -174,7 +184,8 @@ def _pretrain(train_windows, val_masks, vocab_size: int, model_cfg: ModelConfig,
     data = PretrainBatches(train_windows, objective=obj, batch_size=cfg.batch_size,
                            total_steps=total, seed=cfg.seed, masking=masking_cfg,
                            vocab_size=vocab_size, static_masks=cfg.static_train_masks,
-                           start_step=start_step, length_buckets=cfg.length_buckets)
+                           start_step=start_step, length_buckets=cfg.length_buckets,
+                           pairs=cfg.contrastive_weight > 0, doc_offsets=doc_offsets)
     reporter = MetricsReporter(
         objective=obj, steps_per_epoch=per_epoch, total_steps=total,
         step_tokens=data.step_tokens,
@@ -228,19 +239,26 @@ def _fresh_model(vocab_size: int, max_len: int, model_cfg: ModelConfig, cfg: Pre
     if init is None:
         backbone = build_backbone(vocab_size, max_len, model_cfg, causal=causal,
                                   dtype=resolve_precision(cfg.mixed_precision), seed=cfg.seed)
-        return _compiled(build_pretraining_model(backbone, cfg.objective, model_cfg, cfg.seed),
+        return _compiled(build_pretraining_model(backbone, cfg.objective, model_cfg, cfg.seed,
+                                                 **_contrastive(cfg)),
                          cfg, model_cfg.dropout, total)
     source = load_keras_model(init.pretrain_model)  # safe_mode=True, bytes verified by sha256
     check_compatible(source.backbone, vocab_size=vocab_size, max_len=max_len, causal=causal,
                      model_cfg=model_cfg, tokenizer_sha256=tokenizer_sha256 or "",
-                     source=init)
+                     source=init, head_tied=source.head.tie_embeddings)
     # The run's own precision, not the source's: a bf16 GPU encoder continued on a CPU computes
     # in float32 there, and its random_init baseline is built at the same precision.
     model = build_pretraining_model(
         with_dropout(source.backbone, model_cfg.dropout, seed=cfg.seed,
-                     dtype=resolve_precision(cfg.mixed_precision)), cfg.objective, model_cfg)
+                     dtype=resolve_precision(cfg.mixed_precision)), cfg.objective, model_cfg,
+        **_contrastive(cfg))
     model.head.set_weights(source.head.get_weights())  # the objective head continues too
     return _compiled(model, cfg, model_cfg.dropout, total)
+
+
+def _contrastive(cfg: PretrainConfig) -> dict[str, float]:
+    return {"contrastive_weight": cfg.contrastive_weight,
+            "contrastive_temperature": cfg.contrastive_temperature}
 
 
 def _compiled(model, cfg: PretrainConfig, dropout: float, total: int):

@@ -14,7 +14,7 @@ from selfsup_model.pretraining import pretrain
 from selfsup_model.tokenization import load_tokenizer
 from tasks.joined import invite
 from tasks.registry import PIPELINE
-from tasks.stage import RunContext, StageOutput
+from tasks.stage import RunContext, StageOutput, code_version
 
 OUTPUTS = ["encoder.keras", "pretrain_model.keras", "history.json", "loss_curve.png"]
 
@@ -37,12 +37,22 @@ def _pretrain(ctx: RunContext, out: Path, inputs: dict[str, Path]):
     vocab_size = load_tokenizer(inputs["tokenizer/tokenizer.json"]).get_vocab_size()
     windows = np.load(inputs["encode/train_windows.npy"], mmap_mode="r", allow_pickle=False)
     val_masks = load_masks(inputs["masks/val_masks.npz"])
+    doc_offsets = np.load(inputs["encode/train_doc_offsets.npy"], allow_pickle=False)
     cfg = ctx.config
     init = resolve_init_source(cfg.pretrain.init_from) if cfg.pretrain.init_from else None
     result = pretrain(windows, val_masks, vocab_size, cfg.model, cfg.pretrain, cfg.masks, out,
                       log_metrics=ctx.metric_logger(), init=init,
-                      tokenizer_sha256=sha256_file(inputs["tokenizer/tokenizer.json"]))
+                      tokenizer_sha256=sha256_file(inputs["tokenizer/tokenizer.json"]),
+                      doc_offsets=doc_offsets, inputs_sha256=_fingerprint_inputs(inputs))
     return result, windows, init
+
+
+def _fingerprint_inputs(inputs: dict[str, Path]) -> dict[str, str]:
+    """The inputs' hashes and the stage's version: a checkpoint left by a run on other data or
+    by older code (an earlier stage version) must not be resumed as if it were this run's."""
+    spec = next(s for s in PIPELINE if s.name == "pretrain")
+    return {**{name: sha256_file(path) for name, path in sorted(inputs.items())},
+            "code_version": code_version(spec)}
 
 
 def follow(ctx: RunContext) -> None:

@@ -65,13 +65,14 @@ PIPELINE: tuple[StageSpec, ...] = (
     StageSpec("masks", inputs=("encode/val_windows.npy", "tokenizer/tokenizer.json"),
               sections=("masks",)),
     # Only the training split's windows: pretraining never reads validation or test text.
-    StageSpec("pretrain", inputs=("encode/train_windows.npy", "masks/val_masks.npz",
-                                  "tokenizer/tokenizer.json"),
+    StageSpec("pretrain", inputs=("encode/train_windows.npy", "encode/train_doc_offsets.npy",
+                                  "masks/val_masks.npz", "tokenizer/tokenizer.json"),
               sections=("model", "pretrain", "masks"),
               extra_params=lambda ctx: _init_source(ctx, "pretrain_model"),
               # v2: the last update of the schedule is no longer at rate 0; v3: a continued
-              # run computes at its own precision, not its source's
-              version=3),
+              # run computes at its own precision, not its source's; v4: the optional
+              # same-document contrastive term, and checkpoints fingerprinted by input hashes
+              version=4),
     # The tokenizer and the encode settings travel with the classifier it hands over.
     StageSpec("finetune", inputs=("pretrain/encoder.keras", "tokenizer/tokenizer.json",
                                   *LABELLED_INPUTS),

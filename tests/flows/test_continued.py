@@ -67,5 +67,11 @@ def test_a_checkpoint_that_does_not_fit_is_refused(tiny_run, tmp_path):
     with pytest.raises(UserError, match="objective"):
         check_compatible(backbone, **{**fits, "vocab_size": vocab, "causal": True},
                          tokenizer_sha256=source.tokenizer_sha256)
+    # The objective head continues too: a tied head cannot load into an untied one.
+    with pytest.raises(UserError, match=r"model.tie_embeddings=False \(checkpoint: True\)"):
+        check_compatible(backbone, **{**fits, "vocab_size": vocab,
+                                      "model_cfg": fits["model_cfg"].model_copy(
+                                          update={"tie_embeddings": False})},
+                         tokenizer_sha256=source.tokenizer_sha256, head_tied=True)
     with pytest.raises(UserError, match="neither a selfsup workdir"):
         resolve_init_source(str(tmp_path / "nowhere"))

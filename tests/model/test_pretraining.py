@@ -240,3 +240,18 @@ def test_killed_run_resumes_to_the_same_result(tmp_path, buckets):
     assert history[-1]["val/mlm_loss"] == pytest.approx(reference.val_metrics["val/mlm_loss"],
                                                         abs=1e-6)
     assert history[-1]["train/real_tokens_seen"] == reference.real_tokens_seen
+
+
+def test_a_checkpoint_of_other_inputs_is_never_resumed(tmp_path):
+    """A finished run's last checkpoint stays in pretrain/checkpoints: a rerun on other data (or
+    by another stage version) with the same configuration must train afresh, not reload it."""
+    val = make_static_masks(topic_windows(64, 1), MASKS, V, seed=7)
+    cfg = tiny_config(steps=4, log_every=2, eval_every=4, checkpoint_every=4)
+
+    def run(inputs):
+        return pretrain(topic_windows(64, 0), val, V, MODEL, cfg, MASKS, tmp_path,
+                        progress=False, inputs_sha256=inputs)
+
+    assert run({"encode/train_windows.npy": "aa"}).resumed_from_step == 0
+    assert run({"encode/train_windows.npy": "aa"}).resumed_from_step == 4  # same: reused
+    assert run({"encode/train_windows.npy": "bb"}).resumed_from_step == 0  # other data: afresh
