@@ -17,9 +17,11 @@ the model's outputs at real positions do not change, and the set of shapes is
 small and fixed (a compiled backend builds one program per shape).
 
 With `pairs` (a contrastive term in the loss), a step holds B/2 anchor windows laid out as
-above with B/2 in place of B, and each anchor is followed by a partner: another window of the
-same document, drawn from a Generator seeded by (seed, s), or the anchor itself when its
-document has one window. A bucketed batch takes the length its partners need too.
+above with B/2 in place of B, and each anchor is followed by its partner: another window of
+the same document, or the anchor itself when its document has one window. Pass p draws every
+window's partner at once from a Generator seeded by (seed, p), so with buckets a pair goes in
+the bucket of its longer window and a batch is trimmed to what both halves of its pairs need
+(drawing partners per batch instead would lengthen most batches to their longest partner).
 
 Corruption for step s is drawn from a Generator seeded by (seed, s) (dynamic
 masking: a window gets a new selection on every pass) or, with static training
@@ -117,7 +119,7 @@ def _document_extents(doc_offsets, n: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 class _PassLayout(NamedTuple):
-    flat: np.ndarray  # (n,) window indices, batch after batch
+    flat: np.ndarray  # (n,) window indices (paired: anchors), batch after batch
     starts: np.ndarray  # (batches + 1,) where each batch begins in `flat`
     lengths: np.ndarray  # (batches,) the length each batch is trimmed to
 
@@ -158,6 +160,7 @@ class PretrainBatches(keras.utils.PyDataset):
                          for b in range(len(self.bucket_lengths))]
         self._orders: dict[int, np.ndarray] = {}
         self._layouts: dict[int, _PassLayout] = {}
+        self._partner_draws: dict[int, np.ndarray] = {}
 
     @property
     def bucketed(self) -> bool:
@@ -175,30 +178,45 @@ class PretrainBatches(keras.utils.PyDataset):
             raise IndexError(index)
         return self.batch_for_step(self.start_step + index)
 
+    def _recent(self, cache: str, pass_index: int, build):
+        """`self.<cache>[pass_index]`, built on first use. Only it and the pass before stay: a
+        batch spans at most two passes, and prefetching may ask for the next pass before this
+        one ends. The dict is replaced, never changed in place, so a thread reading it while
+        another builds sees the old dict or the new one, whole."""
+        value = getattr(self, cache).get(pass_index)
+        if value is None:
+            value = build()
+            kept = {p: v for p, v in getattr(self, cache).items() if p >= pass_index - 1}
+            setattr(self, cache, {**kept, pass_index: value})
+        return value
+
     def _order(self, pass_index: int) -> np.ndarray:
-        order = self._orders.get(pass_index)
-        if order is None:
-            rng = np.random.default_rng([self.seed, _ORDER_STREAM, pass_index])
-            order = rng.permutation(len(self.windows))
-            # A batch spans at most two passes; older orders are never asked for again.
-            self._orders = {p: o for p, o in self._orders.items() if p >= pass_index - 1}
-            self._orders[pass_index] = order
-        return order
+        return self._recent("_orders", pass_index, lambda: np.random.default_rng(
+            [self.seed, _ORDER_STREAM, pass_index]).permutation(len(self.windows)))
 
     def _layout(self, pass_index: int) -> _PassLayout:
-        layout = self._layouts.get(pass_index)
-        if layout is None:
-            layout = self._lay_out(pass_index)
-            # Keep the neighbours: prefetching may ask for the next pass before this one ends.
-            self._layouts = {p: x for p, x in self._layouts.items() if p >= pass_index - 1}
-            self._layouts[pass_index] = layout
-        return layout
+        return self._recent("_layouts", pass_index, lambda: self._lay_out(pass_index))
+
+    def _partners(self, pass_index: int) -> np.ndarray:
+        """(n,) each window's partner in pass `pass_index`: another window of its document,
+        uniformly, or itself when its document has one window."""
+        def draw() -> np.ndarray:
+            rng = np.random.default_rng([self.seed, _PAIR_STREAM, pass_index])
+            shift = 1 + rng.integers(0, np.maximum(self._span - 1, 1))  # (n,) 1 .. span-1
+            window = np.arange(len(self.windows), dtype=np.int64)
+            return np.where(self._span > 1,
+                            self._first + (window - self._first + shift) % self._span, window)
+        return self._recent("_partner_draws", pass_index, draw)
 
     def _lay_out(self, pass_index: int) -> _PassLayout:
         rng = np.random.default_rng([self.seed, _ORDER_STREAM, pass_index])
         size, batches, spare = self._rows, [], []
-        for members in self._members:
-            shuffled = members[rng.permutation(len(members))]
+        bucket_of, members = self.bucket_of, self._members
+        if self.pairs:  # a pair needs the bucket of its longer window
+            bucket_of = np.maximum(bucket_of, bucket_of[self._partners(pass_index)])
+            members = [np.flatnonzero(bucket_of == b) for b in range(len(self.bucket_lengths))]
+        for bucket in members:
+            shuffled = bucket[rng.permutation(len(bucket))]
             cut = len(shuffled) - len(shuffled) % size
             batches += [shuffled[i:i + size] for i in range(0, cut, size)]
             spare.append(shuffled[cut:])
@@ -206,7 +224,9 @@ class PretrainBatches(keras.utils.PyDataset):
         # Cut from the longest end: the one short batch (if any) holds the shortest windows.
         batches += [pool[max(0, end - size):end] for end in range(len(pool), 0, -size)]
         batches = [batches[i] for i in rng.permutation(len(batches))]
-        lengths = np.array([self.bucket_lengths[self.bucket_of[b].max()] for b in batches])
+        lengths = np.array([self.bucket_lengths[bucket_of[b].max()] for b in batches])
+        if self.pairs:  # pairs change every pass: the short batch keeps one shape in all of them
+            lengths[np.array([len(b) < size for b in batches])] = self.max_len
         starts = np.cumsum([0] + [len(b) for b in batches])
         return _PassLayout(np.concatenate(batches), starts, lengths)
 
@@ -217,22 +237,21 @@ class PretrainBatches(keras.utils.PyDataset):
     def window_indices(self, step: int) -> np.ndarray:
         """(B,) indices of the windows that global step `step` (0-based) trains on (with
         buckets, fewer for the one short batch of a pass); paired: anchor, partner, ..."""
-        anchors = self._anchors(step)
+        anchors, passes = self._anchors(step)
         if not self.pairs:
             return anchors
-        return np.stack([anchors, self._partners(anchors, step)], axis=1).reshape(-1)
+        partners = np.empty_like(anchors)
+        for p in np.unique(passes):
+            here = passes == p
+            partners[here] = self._partners(int(p))[anchors[here]]
+        return np.stack([anchors, partners], axis=1).reshape(-1)
 
-    def _partners(self, anchors: np.ndarray, step: int) -> np.ndarray:
-        """Another window of each anchor's document, uniformly (the anchor if it has none)."""
-        first, span = self._first[anchors], self._span[anchors]
-        rng = np.random.default_rng([self.seed, _PAIR_STREAM, step])
-        shift = 1 + rng.integers(0, np.maximum(span - 1, 1))  # 1 .. span-1
-        return np.where(span > 1, first + (anchors - first + shift) % span, anchors)
-
-    def _anchors(self, step: int) -> np.ndarray:
+    def _anchors(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """The step's anchor windows and the pass each belongs to."""
         if self.bucketed:
             layout, batch = self._locate(step)
-            return layout.flat[layout.starts[batch]:layout.starts[batch + 1]]
+            anchors = layout.flat[layout.starts[batch]:layout.starts[batch + 1]]
+            return anchors, np.full(len(anchors), step // self.batches_per_pass)
         n = len(self.windows)
         stream = step * self._rows + np.arange(self._rows, dtype=np.int64)
         passes, offsets = np.divmod(stream, n)
@@ -240,14 +259,12 @@ class PretrainBatches(keras.utils.PyDataset):
         for p in np.unique(passes):
             here = passes == p
             out[here] = self._order(int(p))[offsets[here]]
-        return out
+        return out, passes
 
     def step_length(self, step: int) -> int:
         """The window length step `step` is trimmed to (before the causal shift)."""
         if not self.bucketed:
             return self.max_len
-        if self.pairs:  # partners may need a longer bucket than their anchors
-            return int(self.bucket_lengths[self.bucket_of[self.window_indices(step)].max()])
         layout, batch = self._locate(step)
         return int(layout.lengths[batch])
 
@@ -263,7 +280,8 @@ class PretrainBatches(keras.utils.PyDataset):
 
     def shapes(self) -> set[tuple[int, int]]:
         """Every (rows, length) input_ids shape a step can have: the same in every pass
-        (paired: the first pass's; a partner can lengthen another pass's batch)."""
+        (paired: the first pass's; as pairs are redrawn, a later pass can fill a batch at a
+        bucket length that had none in the first, on data with few windows per bucket)."""
         steps = range(self.batches_per_pass) if self.bucketed else range(1)
         return {(t.rows, t.length) for t in map(self.step_tokens, steps)}
 

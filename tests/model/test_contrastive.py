@@ -94,6 +94,30 @@ def test_paired_batches_are_pure_functions_of_the_step_and_keep_every_real_token
         np.testing.assert_array_equal(np.count_nonzero(x["input_ids"] != PAD_ID, axis=1), real)
 
 
+def test_pairs_are_bucketed_by_their_longer_window_and_fixed_within_a_pass():
+    data, rows = paired(length_buckets=4, total_steps=40), 4
+    assert data.bucket_lengths == (8, 16) and data.batches_per_pass == rows
+    for p in range(10):
+        steps = range(p * rows, (p + 1) * rows)
+        pairs = [data.window_indices(s).reshape(-1, 2) for s in steps]
+        # Within a pass each window anchors once, with one partner.
+        assert sorted(np.concatenate(pairs)[:, 0]) == list(range(16))
+        pair_bucket = [data.bucket_of[b].max(axis=1) for b in pairs]  # each pair's longer window
+        for s, buckets in zip(steps, pair_bucket, strict=True):
+            assert data.step_length(s) == data.bucket_lengths[buckets.max()]  # no longer
+        # The pass fills whole batches bucket by bucket before mixing leftovers: as many
+        # single-bucket batches per bucket as its pairs fill (partners drawn per batch, after
+        # bucketing the anchors alone, would mix a bucket's pairs into other batches).
+        every = np.concatenate(pair_bucket)
+        for b in range(2):
+            whole = sum(bool(np.all(x == b)) and len(x) == rows for x in pair_bucket)
+            assert whole >= np.count_nonzero(every == b) // rows
+    partners = [dict(map(tuple, np.concatenate(
+        [data.window_indices(s).reshape(-1, 2) for s in range(p * rows, (p + 1) * rows)])))
+        for p in range(10)]
+    assert any(partners[p] != partners[0] for p in range(1, 10))  # passes redraw them
+
+
 def test_pairing_refuses_bad_offsets_and_odd_batches():
     with pytest.raises(UserError, match="offsets"):
         paired(doc_offsets=np.array([0, 3, 15]))  # ends before the last window
