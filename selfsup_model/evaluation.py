@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import keras
 import numpy as np
 
 from selfsup_model.errors import UserError
@@ -33,25 +34,50 @@ def _predict(model, ids: np.ndarray) -> np.ndarray:
     return np.asarray(model.predict_on_batch(ids), dtype=np.float32)
 
 
-def evaluate_masked_lm(export_model, val_masks, batch_size: int = 32) -> dict[str, float]:
+def _scored_logits(model, ids: np.ndarray, scored: np.ndarray, scored_only: bool) -> np.ndarray:
+    """(N, V) logits at the N positions `scored` ((B, L) bool) marks. An export model's head
+    runs on those positions' states alone (an MLM window scores about 1 position in 5, and
+    the vocabulary projection is most of the work); `scored_only=False` takes them from the
+    model's full (B, L, V) output instead, the same numbers by another route."""
+    if scored_only and hasattr(model, "backbone") and hasattr(model, "head"):
+        states = np.asarray(model.backbone.predict_on_batch(ids))[scored]  # (N, H)
+        logits = model.head(states[None], training=False)  # (1, N, V)
+        return np.asarray(keras.ops.convert_to_numpy(logits), dtype=np.float32)[0]
+    return _predict(model, ids)[scored]
+
+
+def _add_batch(acc: WeightedLossAccumulator, model, ids, targets, weights,
+               scored_only: bool) -> None:
+    weights = np.asarray(weights)
+    scored = weights != 0  # (B, L)
+    if not scored.any():
+        acc.add(0.0, 0.0)
+        return
+    logits = _scored_logits(model, ids, scored, scored_only)  # (N, V)
+    acc.add_batch(np.asarray(targets)[scored], logits, weights[scored])
+
+
+def evaluate_masked_lm(export_model, val_masks, batch_size: int = 32,
+                       scored_only: bool = True) -> dict[str, float]:
     """Masked-LM loss (token-weighted mean NLL), accuracy and scored tokens on the corrupted
-    inputs."""
+    inputs (`scored_only`: see `_scored_logits`)."""
     n = _check_masks(val_masks)
     acc = WeightedLossAccumulator()
     for s in range(0, n, batch_size):
         ids = np.asarray(val_masks["input_ids"][s:s + batch_size], dtype=np.int32)  # (B, L)
-        logits = _predict(export_model, ids)  # (B, L, V)
-        acc.add_batch(val_masks["target_ids"][s:s + batch_size], logits,
-                      val_masks["loss_weights"][s:s + batch_size])
+        _add_batch(acc, export_model, ids, val_masks["target_ids"][s:s + batch_size],
+                   val_masks["loss_weights"][s:s + batch_size], scored_only)
     return {"loss": acc.mean_loss, "accuracy": acc.accuracy, "scored_tokens": acc.weight_sum}
 
 
-def evaluate_causal_lm(export_model, windows, batch_size: int = 32) -> dict[str, float]:
+def evaluate_causal_lm(export_model, windows, batch_size: int = 32,
+                       scored_only: bool = True) -> dict[str, float]:
     """Next-token NLL over real targets; perplexity = exp(token-weighted mean NLL)."""
     acc = WeightedLossAccumulator()
     for s in range(0, len(windows), batch_size):
         b = causal_lm_batch(np.asarray(windows[s:s + batch_size]))  # (B, L-1) each
-        acc.add_batch(b["target_ids"], _predict(export_model, b["input_ids"]), b["loss_weights"])
+        _add_batch(acc, export_model, b["input_ids"], b["target_ids"], b["loss_weights"],
+                   scored_only)
     loss = acc.mean_loss
     return {"loss": loss, "perplexity": math.exp(loss) if math.isfinite(loss) else float("nan"),
             "scored_tokens": acc.weight_sum}
