@@ -7,8 +7,11 @@ metric into a token-weighted loss over the steps since the previous report
 bucketed batches count the positions they really have), runs validation, and
 hands everything to an injected `log_metrics(metrics, step)`. Its state
 (history, the partly filled report window, counters) travels inside each
-checkpoint, and a small journal of reported steps stops a resumed run from
-reporting a step twice.
+checkpoint. A small journal of the steps handed to each log destination (an
+MLflow run id) stops a resumed run from reporting a step twice to the same
+place; a resumed run that logs somewhere new (each attempt of a stage gets its
+own MLflow run) first replays the history up to its checkpoint there, so the run
+that finishes holds the whole curve.
 
 `CheckpointSaver` writes the whole training model (weights + optimiser state)
 at the end of every "epoch" (= `checkpoint_every` steps) as
@@ -65,13 +68,19 @@ def read_checkpoint(directory: str | os.PathLike) -> dict[str, Any] | None:
     return {**record, "path": path} if path.is_file() else None
 
 
-def read_journal(directory: str | os.PathLike) -> set[int]:
-    """Steps already handed to log_metrics (an unterminated last line from a kill is ignored)."""
+def read_journal(directory: str | os.PathLike, destination: str | None = None) -> set[int]:
+    """Steps already handed to log_metrics for `destination` (an unterminated last line from a
+    kill is ignored). A line is `<destination>\t<step>`; a bare step is destination None."""
     try:
         lines = (Path(directory) / JOURNAL).read_text("utf-8").split("\n")[:-1]
     except OSError:
         return set()
-    return {int(line) for line in lines if line.strip().isdigit()}
+    steps = set()
+    for line in lines:
+        where, _, step = line.rpartition("\t")
+        if where == (destination or "") and step.strip().isdigit():
+            steps.add(int(step))
+    return steps
 
 
 class MetricsReporter(keras.callbacks.Callback):
@@ -79,7 +88,8 @@ class MetricsReporter(keras.callbacks.Callback):
                  step_tokens: StepTokensFn,
                  log_every: int, eval_every: int, evaluate: Callable[[], dict[str, float]],
                  learning_rate: Callable[[int], float], log_metrics: LogFn | None = None,
-                 journal_dir: str | os.PathLike | None = None, state: dict[str, Any] | None = None):
+                 journal_dir: str | os.PathLike | None = None, state: dict[str, Any] | None = None,
+                 log_destination: str | None = None):
         super().__init__()
         self.objective, self.steps_per_epoch, self.total_steps = (
             objective, steps_per_epoch, total_steps)
@@ -87,7 +97,9 @@ class MetricsReporter(keras.callbacks.Callback):
             step_tokens, log_every, eval_every)
         self.evaluate, self.learning_rate, self.log_metrics = evaluate, learning_rate, log_metrics
         self.journal = Path(journal_dir) / JOURNAL if journal_dir is not None else None
-        self.reported = read_journal(journal_dir) if journal_dir is not None else set()
+        self.destination = log_destination
+        self.reported = (read_journal(journal_dir, log_destination) if journal_dir is not None
+                         else set())
         state = state or {}
         self.history: list[dict[str, float]] = list(state.get("history", []))
         self.window = dict(state.get("window", {"loss_sum": 0.0, "weight_sum": 0.0}))
@@ -113,6 +125,13 @@ class MetricsReporter(keras.callbacks.Callback):
         """Real (non-[PAD]) input tokens per second of timed steps."""
         t = self.totals
         return t["timed_real_tokens"] / t["timed_seconds"] if t["timed_seconds"] > 0 else 0.0
+
+    def replay_history(self) -> None:
+        """Report the history a resumed run starts with (the steps before its checkpoint) to
+        this run's destination, which may be new (a new MLflow run per attempt); steps the
+        destination already has are skipped."""
+        for entry in self.history:
+            self._report(entry["step"], {k: v for k, v in entry.items() if k != "step"})
 
     def on_epoch_begin(self, epoch, logs=None):
         # Keras resets metric state at every epoch start: the running sums restart at 0.
@@ -187,13 +206,16 @@ class MetricsReporter(keras.callbacks.Callback):
             self.history[-1].update(metrics)
         else:
             self.history.append({"step": step, **metrics})
+        self._report(step, metrics)
+
+    def _report(self, step: int, metrics: dict[str, float]) -> None:
         if self.log_metrics is None or step in self.reported:
             return
         self.log_metrics(metrics, step)
         self.reported.add(step)
         if self.journal is not None:
             with open(self.journal, "a", encoding="utf-8") as fh:
-                fh.write(f"{step}\n")
+                fh.write(f"{self.destination or ''}\t{step}\n")
 
 
 class CheckpointSaver(keras.callbacks.Callback):

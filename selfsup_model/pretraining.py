@@ -101,14 +101,17 @@ def pretrain(train_windows, val_masks, vocab_size: int, model_cfg: ModelConfig,
              progress: bool = True, init: InitSource | None = None,
              tokenizer_sha256: str | None = None,
              doc_offsets: np.ndarray | None = None,
-             inputs_sha256: Mapping[str, str] | None = None) -> PretrainResult | None:
+             inputs_sha256: Mapping[str, str] | None = None,
+             log_destination: str | None = None) -> PretrainResult | None:
     """Pretrain an encoder on (n, max_len) windows, resuming from `out_dir/checkpoints` if
     present; with `init`, start from that run's pretrained model (continued pretraining),
     whose tokenizer must be this run's (`tokenizer_sha256`). `doc_offsets` ((docs + 1,), the
     first window of each document) is what a contrastive term pairs windows by
     (`pretrain_cfg.contrastive_weight`). `inputs_sha256` (what the inputs and the code are:
     file hashes, the stage's version) joins the configuration in the checkpoints' fingerprint,
-    so a checkpoint of other data or older code is never resumed. Under JAX with several devices
+    so a checkpoint of other data or older code is never resumed. `log_destination` names
+    where `log_metrics` writes (an MLflow run id): resumed into a new destination, the run
+    reports the steps before its checkpoint there again. Under JAX with several devices
     it runs data-parallel (`devices.data_parallel`).
 
     Several processes (Keras' ``KERAS_DISTRIBUTION_*`` launch variables, `devices.
@@ -119,14 +122,15 @@ def pretrain(train_windows, val_masks, vocab_size: int, model_cfg: ModelConfig,
     with data_parallel_scope(pretrain_cfg.batch_size, "pretraining"):
         return _pretrain(train_windows, val_masks, vocab_size, model_cfg, pretrain_cfg,
                          masking_cfg, out_dir, log_metrics, progress, init, tokenizer_sha256,
-                         doc_offsets, inputs_sha256)
+                         doc_offsets, inputs_sha256, log_destination)
 
 
 def _pretrain(train_windows, val_masks, vocab_size: int, model_cfg: ModelConfig,
               pretrain_cfg: PretrainConfig, masking_cfg: MaskingConfig, out_dir,
               log_metrics: LogFn | None, progress: bool, init: InitSource | None,
               tokenizer_sha256: str | None, doc_offsets: np.ndarray | None,
-              inputs_sha256: Mapping[str, str] | None) -> PretrainResult:
+              inputs_sha256: Mapping[str, str] | None,
+              log_destination: str | None) -> PretrainResult:
     check_windows(train_windows, vocab_size)
     out_dir, obj, cfg = Path(out_dir), pretrain_cfg.objective, pretrain_cfg
     processes, writer = process_count(), process_index() == 0
@@ -192,11 +196,12 @@ def _pretrain(train_windows, val_masks, vocab_size: int, model_cfg: ModelConfig,
         log_every=cfg.log_every, eval_every=cfg.eval_every, evaluate=evaluate,
         learning_rate=lambda step: float(ops.convert_to_numpy(schedule(step - 1))),
         log_metrics=log_metrics if writer else None, journal_dir=ckpt_dir if writer else None,
-        state=state)
+        state=state, log_destination=log_destination)
     callbacks: list[keras.callbacks.Callback] = [reporter]
     if processes == 1:
         callbacks.append(CheckpointSaver(ckpt_dir, steps_per_epoch=per_epoch, total_steps=total,
                                          reporter=reporter, fingerprint=fingerprint))
+    reporter.replay_history()
     if start_step < total:
         verbose = (1 if sys.stdout.isatty() else 2) if progress and writer else 0
         with warnings.catch_warnings():

@@ -43,7 +43,8 @@ def _pretrain(ctx: RunContext, out: Path, inputs: dict[str, Path]):
     result = pretrain(windows, val_masks, vocab_size, cfg.model, cfg.pretrain, cfg.masks, out,
                       log_metrics=ctx.metric_logger(), init=init,
                       tokenizer_sha256=sha256_file(inputs["tokenizer/tokenizer.json"]),
-                      doc_offsets=doc_offsets, inputs_sha256=_fingerprint_inputs(inputs))
+                      doc_offsets=doc_offsets, inputs_sha256=_fingerprint_inputs(inputs),
+                      log_destination=ctx.stage_run)
     return result, windows, init
 
 

@@ -18,9 +18,14 @@ import pytest
 
 from selfsup_model.config import MaskingConfig, ModelConfig, PretrainConfig
 from selfsup_model.devices import resolve_jit, resolve_precision
-from selfsup_model.evaluation import evaluate_masked_lm, unigram_log_probs
+from selfsup_model.evaluation import (
+    evaluate_causal_lm,
+    evaluate_masked_lm,
+    unigram_log_probs,
+    validation_metrics,
+)
 from selfsup_model.masking import make_static_masks
-from selfsup_model.model import build_backbone, build_pretraining_model
+from selfsup_model.model import build_backbone, build_pretrain_export_model, build_pretraining_model
 from selfsup_model.optimizers import WarmupDecay
 from selfsup_model.pretrain_data import PretrainBatches, budget_steps
 from selfsup_model.pretraining import build_optimizer, pretrain
@@ -53,7 +58,8 @@ def tiny_config(**kw) -> PretrainConfig:
     return PretrainConfig(**{**base, **kw})
 
 
-def tiny_run(out_dir: str, log_path: str | None = None, dropout: float = 0.0, **cfg_kw):
+def tiny_run(out_dir: str, log_path: str | None = None, dropout: float = 0.0,
+             log_destination: str | None = None, **cfg_kw):
     """One tiny pretraining run; also the entry point of the kill-and-resume subprocess."""
     def log_metrics(metrics, step):
         if log_path is not None:
@@ -63,7 +69,7 @@ def tiny_run(out_dir: str, log_path: str | None = None, dropout: float = 0.0, **
     val = make_static_masks(topic_windows(64, 1), MASKS, V, seed=7)
     model = MODEL.model_copy(update={"dropout": dropout})
     return pretrain(topic_windows(512, 0), val, V, model, tiny_config(**cfg_kw), MASKS, out_dir,
-                    log_metrics=log_metrics, progress=False)
+                    log_metrics=log_metrics, progress=False, log_destination=log_destination)
 
 
 # ----------------------------------------------------------------------------- data and schedule
@@ -201,25 +207,50 @@ def test_logged_final_val_loss_is_recomputable_from_the_saved_model(finished_run
     out, _, logged = finished_run
     export = keras.saving.load_model(out / "pretrain_model.keras", safe_mode=True)
     val = make_static_masks(topic_windows(64, 1), MASKS, V, seed=7)
-    again = evaluate_masked_lm(export, val, batch_size=16)
+    # The full (B, L, V) logits of the saved model: not the route training logged it by.
+    again = evaluate_masked_lm(export, val, batch_size=16, scored_only=False)
     assert again["loss"] == pytest.approx(logged[-1]["val/mlm_loss"], abs=1e-5)
     assert again["scored_tokens"] == logged[-1]["val/scored_tokens"] == val["loss_weights"].sum()
 
 
-@pytest.mark.parametrize("buckets", [1, 3])
-def test_killed_run_resumes_to_the_same_result(tmp_path, buckets):
+@pytest.mark.parametrize("objective", ["mlm", "clm"])
+def test_validation_on_the_scored_positions_equals_the_full_logits_route(objective):
+    # Training evaluates through the head on the scored positions' states only; reading them
+    # off the model's full (B, L, V) output must give the same numbers.
+    backbone = build_backbone(V, L, MODEL, causal=objective == "clm", seed=3)
+    head = build_pretraining_model(backbone, objective, MODEL, seed=4).head
+    export = build_pretrain_export_model(backbone, head, objective)
+    val = make_static_masks(topic_windows(40, 1), MASKS, V, seed=7)
+    val["loss_weights"][:16] = 0  # mlm: a batch of 16 with nothing scored counts as empty
+    logged = validation_metrics(export, objective, val, batch_size=16)
+    if objective == "mlm":
+        full = evaluate_masked_lm(export, val, batch_size=16, scored_only=False)
+        assert logged["val/mlm_accuracy"] == pytest.approx(full["accuracy"], abs=1e-6)
+    else:
+        full = evaluate_causal_lm(export, val["target_ids"], batch_size=16, scored_only=False)
+        assert logged["val/perplexity"] == pytest.approx(full["perplexity"], rel=1e-6)
+    assert logged[f"val/{objective}_loss"] == pytest.approx(full["loss"], abs=1e-6)
+    assert logged["val/scored_tokens"] == full["scored_tokens"] > 0
+
+
+@pytest.mark.parametrize("buckets, resumed_logs_to", [(1, "the same place"), (3, "a new place")])
+def test_killed_run_resumes_to_the_same_result(tmp_path, buckets, resumed_logs_to):
     # Dropout on: the resumed run must also replay the dropout random streams.
     ref_log = tmp_path / "reference.jsonl"
     reference = tiny_run(str(tmp_path / "reference"), str(ref_log), dropout=0.1,
                          length_buckets=buckets)
     ref_logged = [json.loads(line) for line in ref_log.read_text().splitlines()]
     out, log = tmp_path / "run", tmp_path / "logged.jsonl"
+    # A new place is what a real resume gets: each attempt of the stage has its own MLflow run.
+    new_place = resumed_logs_to == "a new place"
+    log2 = tmp_path / "logged-again.jsonl" if new_place else log
     code = ("import sys; sys.path.insert(0, sys.argv[1]); from tests.model.test_pretraining import "
             "tiny_run; tiny_run(sys.argv[2], sys.argv[3], dropout=0.1, "
-            "length_buckets=int(sys.argv[4]))")
-    cmd = [sys.executable, "-c", code, str(ROOT), str(out), str(log), str(buckets)]
+            "length_buckets=int(sys.argv[4]), log_destination=sys.argv[5])")
+    cmd = [sys.executable, "-c", code, str(ROOT), str(out)]
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
-    first = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    first = subprocess.Popen([*cmd, str(log), str(buckets), str(log)], env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     latest, deadline = out / "checkpoints" / "latest.json", time.monotonic() + 60
     while not latest.exists() and first.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -229,13 +260,24 @@ def test_killed_run_resumes_to_the_same_result(tmp_path, buckets):
     assert json.loads(latest.read_text())["step"] == 20
     assert not (out / "pretrain_model.keras").exists()
 
-    done = subprocess.run(cmd, env=env, capture_output=True, timeout=120, check=False)
+    done = subprocess.run([*cmd, str(log2), str(buckets), str(log2)], env=env,
+                          capture_output=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr.decode()[-2000:]
     history = json.loads((out / "history.json").read_text())
     steps = [h["step"] for h in history]
     assert steps == [h["step"] for h in json.loads(reference.history_path.read_text())]
-    logged_steps = [json.loads(line)["step"] for line in log.read_text().splitlines()]
+    # Each place holds every reported step once: the new place gets the steps before the
+    # checkpoint replayed, with the values the killed attempt reported.
+    logged = [json.loads(line) for line in log2.read_text().splitlines()]
+    logged_steps = [e["step"] for e in logged]
     assert sorted(logged_steps) == sorted(set(logged_steps)) == [e["step"] for e in ref_logged]
+    if new_place:
+        by_step = {e["step"]: e for e in logged}
+        for entry in ref_logged:
+            for key, value in entry.items():
+                if key.endswith("_per_s"):  # speeds are measured, not replayed
+                    continue
+                assert by_step[entry["step"]][key] == pytest.approx(value, abs=1e-6), key
     # Same batches, optimiser state and dropout draws: it ends where the uninterrupted run did.
     assert history[-1]["val/mlm_loss"] == pytest.approx(reference.val_metrics["val/mlm_loss"],
                                                         abs=1e-6)
