@@ -34,10 +34,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "baseline": {"tfidf_c": [1.0], "tfidf_ngram_max": [1], "bag_dim": 16, "sentence_c": [1.0]},
         "compare": {"bootstrap": 50},
     },
-    # The default: the whole pipeline on the embedded corpus in about 12-23 minutes on 2 CPU
-    # cores (a fresh clone's `make demo`: 11 min 36 s after install on the fastest of three
-    # hosts; 22 min 2 s on the slowest with 2,500 pretraining steps), more than half of it
-    # pretraining.
+    # The default: the whole pipeline on the embedded corpus in about 10-15 minutes on 2 CPU
+    # cores, depending on the host (README, "Performance"), about 60% of it pretraining.
     "demo": {
         "ingest": {"pydocs_max_per_library": 1500},
         "tokenizer": {"vocab_size": 4096},
@@ -51,30 +49,30 @@ PRESETS: dict[str, dict[str, Any]] = {
                   "norm": "pre"},
         # Length buckets 16/32/48/64: benchmarks/bucketing.py measured 1.20x the real tokens/s
         # of unbucketed batches on the demo's windows (13% padding -> 3%); the price is
-        # compiling 4 shapes instead of 1, once each. 2,850 steps: the time the fine-tuning
-        # speed-ups freed went to pretraining, then 350 more steps, as reading every window
-        # had made fine-tuning and the baselines the larger part of the demo again (at 2,750
-        # a fresh clone's `make demo` spent 50.0% of its 11 min 30 s pretraining).
+        # compiling 4 shapes instead of 1, once each.
         # A same-document contrastive term at weight 0.1 (benchmarks/README, "Pairing windows
         # of a document"): chosen on the linear probe's validation macro-F1 among 0.02, 0.1
         # and 0.5 (0.492, 0.542, 0.512 at 5% labels; 0.440 without), at a cost in validation
-        # MLM loss (4.19 against 3.89).
-        "pretrain": {"batch_size": 64, "steps": 2850, "learning_rate": 1e-3, "warmup_steps": 100,
+        # MLM loss (4.19 against 3.89). Its pairs need longer buckets (7% padding), and the
+        # demo had to fit 15 minutes on slower hosts: 2,400 steps, down from 2,850.
+        "pretrain": {"batch_size": 64, "steps": 2400, "learning_rate": 1e-3, "warmup_steps": 100,
                       "decay": "linear", "log_every": 50, "eval_every": 500,
                       "checkpoint_every": 500, "jit": "on", "length_buckets": 4,
                       "contrastive_weight": 0.1},
-        # Every neural method: 3 rates, then the chosen one again with a second seed at 5%;
+        # Every neural method: 2 rates, then the chosen one again with a second seed at 5%;
         # 120-300 updates, no dropout inside the encoder (a third of a CPU step) — the same for
         # pretrained and random_init — and XLA
-        # (benchmarks/finetune.py: 1.5-1.7x the updates/s once compiled). The third rate, 3e-3:
-        # with (3e-4, 1e-3) every Transformer chose the top rate on two corpora; given 3e-3,
+        # (benchmarks/finetune.py: 1.5-1.7x the updates/s once compiled). The rates: with
+        # (3e-4, 1e-3) every Transformer chose the top rate on two corpora; given 3e-3,
         # validation picked it for random_init at 25% on both (test macro-F1 +0.039 on the
-        # demo, -0.062 on the other). Two label fractions and two pretrained modes (staged
-        # unfreezing was the weaker of the two fine-tuned ones at every fraction, for 2 of the
-        # demo's minutes) bound the time; add them with --set finetune.fractions=... /
-        # finetune.modes=...
+        # demo, -0.062 on the other), and no method chose 3e-4 in the demo runs since, so it
+        # left the grid (a third of each Transformer's fine-tuning time; the library default
+        # keeps all three, and 1e-2 lost everywhere, README). Two label fractions and two
+        # pretrained modes (staged unfreezing was the weaker of the two fine-tuned ones at
+        # every fraction, for 2 of the demo's minutes) bound the time; add them with
+        # --set finetune.fractions=... / finetune.modes=...
         "finetune": {"fractions": [0.05, 0.25], "modes": ["probe", "full"],
-                     "learning_rates": [3e-4, 1e-3, 3e-3], "epochs": 3,
+                     "learning_rates": [1e-3, 3e-3], "epochs": 3,
                      "min_updates": 120, "max_updates": 300, "evals": 4, "patience": 2,
                      "encoder_dropout": 0.0, "seeds": [0, 1], "repeat_seeds_up_to": 0.05,
                      "jit": "on"},
