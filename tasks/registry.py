@@ -71,8 +71,10 @@ PIPELINE: tuple[StageSpec, ...] = (
               extra_params=lambda ctx: _init_source(ctx, "pretrain_model"),
               # v2: the last update of the schedule is no longer at rate 0; v3: a continued
               # run computes at its own precision, not its source's; v4: the optional
-              # same-document contrastive term, and checkpoints fingerprinted by input hashes
-              version=4),
+              # same-document contrastive term, and checkpoints fingerprinted by input hashes;
+              # v5: pairs drawn per pass (other batches than v4's), validation on the scored
+              # positions
+              version=5),
     # The tokenizer and the encode settings travel with the classifier it hands over.
     StageSpec("finetune", inputs=("pretrain/encoder.keras", "tokenizer/tokenizer.json",
                                   *LABELLED_INPUTS),
