@@ -44,6 +44,8 @@ def run_predict(workdir: str, source: str, out: str | None = None, *,
                 text_column: str | None = None, id_column: str | None = None,
                 batch_size: int = 256, lines: Iterable[bytes] | None = None) -> PredictOutcome:
     """Score `source` (folder, table, or "-" for `lines`) with the classifier of `workdir`."""
+    if batch_size < 1:  # a deployment's parameter reaches here without the CLI's check
+        raise UserError(f"batch_size must be at least 1 (got {batch_size})")
     out_path = check_output_path(out) if out else None  # fail before any work
     bundle = load_run_classifier(workdir)
     inputs = read_inputs(source, columns_config(workdir, text_column, id_column), lines)

@@ -12,6 +12,7 @@ import pytest
 
 from flows.cli import main
 from flows.pipeline import predict_flow
+from selfsup_model.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -184,3 +185,12 @@ def test_a_changed_classifier_file_exits_2(tiny_run, tmp_path, capsys, name, mes
     assert main(["predict", str(tmp_path / "in.csv"), "--workdir", str(wd)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
+
+
+def test_the_predict_flow_refuses_a_batch_size_below_one_before_any_work(tmp_path):
+    # A deployment's parameters skip the CLI's check; the flow must refuse the size in its
+    # own words, not fail deep in batching. The workdir does not exist: the size comes first.
+    with pytest.raises(UserError, match="batch_size must be at least 1"):
+        predict_flow(source=str(tmp_path), out=str(tmp_path / "out.parquet"),
+                     workdir=str(tmp_path / "nowhere"), batch_size=0)
+    assert not (tmp_path / "out.parquet").exists()
