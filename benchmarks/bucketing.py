@@ -68,6 +68,17 @@ def run(windows, val, vocab, cfg, buckets: int, steps: int) -> dict:
             "val_mlm_loss": round(r.val_metrics["val/mlm_loss"], 4)}
 
 
+def timed_rounds(runs: list[dict], rounds: int, per_round: int) -> None:
+    """`rounds` rounds of `per_round` train steps of each run's `model` on its `batches`, the
+    runs in turn, so load that comes and goes hits each alike; adds to each run's `seconds`."""
+    for r in range(rounds):
+        for run_ in runs:
+            t0 = time.perf_counter()
+            for b in run_["batches"][r * per_round:(r + 1) * per_round]:
+                run_["model"].train_on_batch(*b)
+            run_["seconds"] += time.perf_counter() - t0
+
+
 def interleaved(windows, vocab, cfg, settings: list[int], rounds: int, per_round: int) -> list:
     p, steps = cfg.pretrain, rounds * per_round
     runs = []
@@ -89,12 +100,7 @@ def interleaved(windows, vocab, cfg, settings: list[int], rounds: int, per_round
         runs.append({"buckets": k, "shapes": len(firsts), "model": model, "batches": batches,
                      "tokens": [data.step_tokens(s) for s in range(steps)],
                      "compile_s": time.perf_counter() - t0, "seconds": 0.0})
-    for r in range(rounds):
-        for run_ in runs:
-            t0 = time.perf_counter()
-            for b in run_["batches"][r * per_round:(r + 1) * per_round]:
-                run_["model"].train_on_batch(*b)
-            run_["seconds"] += time.perf_counter() - t0
+    timed_rounds(runs, rounds, per_round)
     rows = []
     for run_ in runs:
         positions = sum(t.positions for t in run_["tokens"])

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import keras
 import numpy as np
+from bucketing import timed_rounds
 
 from selfsup_model.model import build_backbone, build_pretraining_model
 from selfsup_model.presets import build_config
@@ -89,12 +90,7 @@ def interleaved(data: dict[str, PretrainBatches], vocab, cfg, rounds: int, per_r
         runs.append({"name": name, "model": model, "compile_s": time.perf_counter() - t0,
                      "batches": [batches.batch_for_step(s) for s in range(steps)],
                      "tokens": [batches.step_tokens(s) for s in range(steps)], "seconds": 0.0})
-    for r in range(rounds):
-        for run_ in runs:
-            t0 = time.perf_counter()
-            for b in run_["batches"][r * per_round:(r + 1) * per_round]:
-                run_["model"].train_on_batch(*b)
-            run_["seconds"] += time.perf_counter() - t0
+    timed_rounds(runs, rounds, per_round)
     rows = []
     for run_ in runs:
         real = sum(t.real for t in run_["tokens"])
