@@ -17,7 +17,7 @@ import numpy as np
 from keras import ops
 
 from selfsup_model.errors import UserError
-from selfsup_model.layers import TransformerEncoderBlock, derive_seed
+from selfsup_model.layers import FastDropout, TransformerEncoderBlock, derive_seed
 from selfsup_model.saving import serializable
 from selfsup_model.specials import PAD_ID
 from selfsup_model.windows import causal_framing, documents_owning, mean_over_documents
@@ -109,8 +109,8 @@ def build_classifier(backbone: keras.Model, num_classes: int, pooling: str = "me
     pool = build_pooling(pooling, backbone)
     ids = keras.Input(shape=backbone.input_shape[1:], dtype="int32", name="token_ids")
     pooled = pool(backbone(ids), ids)  # (B, L, H) -> (B, H)
-    pooled = keras.layers.Dropout(dropout, seed=derive_seed(seed, "head_dropout"),
-                                  name="head_dropout")(pooled)
+    pooled = FastDropout(dropout, seed=derive_seed(seed, "head_dropout"),
+                         name="head_dropout")(pooled)
     init = keras.initializers.GlorotUniform(seed=derive_seed(seed, "head_logits"))
     logits = keras.layers.Dense(num_classes, kernel_initializer=init,
                                 name="head_logits")(pooled)  # (B, C)

@@ -241,8 +241,7 @@ class FinetuneConfig(_Section):
     eval_batch_size: int = Field(256, ge=1)
     jit: Switch = Field(
         "auto", description="XLA for the classifiers' train and predict steps; auto: on a GPU "
-                            "or under JAX (as pretrain.jit). On a CPU, XLA with encoder_dropout "
-                            "> 0 is slower than without it.")
+                            "or under JAX (as pretrain.jit).")
     subset_seed: int = Field(3, description="Seed of the label subsets every method shares.")
     seeds: tuple[int, ...] = Field(
         (0,), description="Training seeds: the rate grid runs with the first, the rate it chose "

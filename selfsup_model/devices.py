@@ -30,15 +30,25 @@ def resolve_jit(setting: str) -> bool:
     return keras.backend.backend() == "jax" or gpu_available()
 
 
-def xla_dropout_warning(jit: bool, dropout: float, setting: str) -> str | None:
-    """Why `setting` (a dropout rate > 0) under XLA on a CPU is a bad idea, or None.
+def xla_dropout_warning(jit: bool, model: keras.Model) -> str | None:
+    """Why compiling `model` with XLA on a CPU is a bad idea, or None.
 
-    TensorFlow's XLA on a CPU draws random numbers very slowly: with dropout inside the encoder a
-    fine-tuning update took 1.5x as long with XLA as without (benchmarks/README.md)."""
-    if not jit or dropout <= 0 or keras.backend.backend() != "tensorflow" or gpu_available():
+    TensorFlow's random ops under XLA on a CPU are very slow (one attention-sized dropout took
+    ~400x as long as no dropout; benchmarks/README.md). `layers.FastDropout` draws by a counter
+    hash there instead; a plain `keras.layers.Dropout` with a rate > 0 (a backbone saved before
+    FastDropout existed) still uses TensorFlow's draws."""
+    if not jit or keras.backend.backend() != "tensorflow" or gpu_available():
         return None
-    return (f"XLA on a CPU with {setting}={dropout:g}: TensorFlow's random draws under XLA make "
-            f"each step slower than without XLA; set {setting}=0 or turn jit off")
+    from selfsup_model.layers import FastDropout
+
+    slow = sorted({layer.name for layer in model._flatten_layers(include_self=False)
+                   if isinstance(layer, keras.layers.Dropout)
+                   and not isinstance(layer, FastDropout) and layer.rate > 0})
+    if not slow:
+        return None
+    return (f"XLA on a CPU with keras dropout layers {', '.join(slow)}: TensorFlow's random "
+            "draws under XLA make each step slower than without XLA; set their rate to 0 or "
+            "turn jit off")
 
 
 def join_processes() -> int:

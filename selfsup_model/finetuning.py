@@ -221,7 +221,7 @@ class StageTrainers:
                 _set_trainable(_backbone_of(trainer), kind, cfg.staged_top_blocks)
             optimizer = RestartableAdamW(weight_decay=cfg.weight_decay, global_clipnorm=1.0)
             jit = resolve_jit(cfg.jit)
-            if slow := xla_dropout_warning(jit, cfg.encoder_dropout, "finetune.encoder_dropout"):
+            if slow := xla_dropout_warning(jit, trainer):
                 log.warning(slow)
             trainer.compile(optimizer=optimizer,
                             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),

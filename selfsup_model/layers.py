@@ -44,17 +44,41 @@ def truncated_normal_init(stddev: float = 0.02, seed: int | None = None
     return keras.initializers.TruncatedNormal(stddev=stddev, seed=seed)
 
 
-class ByteMaskDropout(layers.Dropout):
-    """`keras.layers.Dropout` whose keep mask is drawn as random bytes on TensorFlow.
+# lowbias32 (C. Wellons' integer hash prospector): a bijection of uint32 with full avalanche.
+_MIX_SHIFTS, _MIX_MULTIPLIERS = (16, 15, 16), (0x7FEB352D, 0x846CA68B)
+# Odd constants that make the two seed words' keys differ even when the words are equal.
+_KEY_SALTS = (0x9E3779B9, 0x85EBCA6B)
 
-    Keras draws one float32 uniform per element; on CPU under TensorFlow byte masks cut a
-    dropout site's extra cost by ~40-55% (benchmarks/README.md, "Peers"). One int32 draw gives four
-    independent uniform bytes, and an element is kept when its byte >= round(rate * 256): the
-    rate is rounded to 1/256 (0.1 -> 26/256 = 0.1016) and kept values are scaled by
+
+def mix32(x):
+    """lowbias32 on a uint32 tensor (TensorFlow; wraps modulo 2**32)."""
+    import tensorflow as tf
+
+    for shift, mult in zip(_MIX_SHIFTS, (*_MIX_MULTIPLIERS, None), strict=True):
+        x = tf.bitwise.bitwise_xor(x, tf.bitwise.right_shift(x, tf.constant(shift, tf.uint32)))
+        if mult is not None:
+            x = x * tf.constant(mult, tf.uint32)
+    return x
+
+
+@serializable
+class FastDropout(layers.Dropout):
+    """`keras.layers.Dropout` whose keep mask comes from a counter hash on TensorFlow.
+
+    Keras draws one float32 uniform per element through TensorFlow's random ops, which are slow
+    on a CPU and pathological under XLA there (one attention-sized site took ~400x as long as
+    no dropout; benchmarks/README.md, "Dropout's random draws"). Here word j of a call is
+    mix32(mix32(j ^ k0) + k1), where (k0, k1) are the mixed words of the seed generator's state
+    (which advances every call); its four bytes are the bytes of elements 4j..4j+3 in flat
+    order, and an element is kept when its byte is >= round(rate * 256). Integer arithmetic
+    only, so XLA fuses it into the step, and the same mask comes out with XLA or without.
+
+    The rate is rounded to 1/256 (0.1 -> 26/256 = 0.1016) and kept values are scaled by
     256 / (256 - threshold), so the expectation stays exact. Rates that 1/256 cannot resolve
-    (off by more than 2% of the rate), a `noise_shape`, and other backends (JAX compiles the
-    draws into the step's fused kernels) use keras' own draws. The seed generator is the
-    parent's (same variable path), so a checkpoint's RNG state still restores it.
+    (off by more than 2% of the rate), a `noise_shape`, and other backends (JAX fuses its own
+    draws into the step) use keras' draws. The seed generator is the parent's (same variable
+    path), so a checkpoint's RNG state still restores it. Sizes are int32: tensors of fewer than
+    2**31 elements.
     """
 
     LEVELS = 256
@@ -66,26 +90,22 @@ class ByteMaskDropout(layers.Dropout):
                 or abs(threshold / self.LEVELS - self.rate) > 0.02 * self.rate
                 or threshold >= self.LEVELS):
             return super().call(inputs, training=training)
-        keep = ops.greater_equal(self._random_bytes(inputs), threshold)  # bool, inputs' shape
+        keep = ops.greater_equal(self._hashed_bytes(inputs), ops.cast(threshold, "uint8"))
         scale = ops.cast(self.LEVELS / (self.LEVELS - threshold), inputs.dtype)
         return ops.where(keep, inputs * scale, ops.zeros_like(inputs))
 
-    def _random_bytes(self, inputs):
-        """uint8 array of inputs' shape, each byte uniform on [0, 256), independent."""
-        shape, last = ops.shape(inputs), inputs.shape[-1]
-        if isinstance(last, int) and last % 4 == 0:  # pack along the (static) last axis
-            words = self._words((*shape[:-1], last // 4))
-            return ops.view(words, "uint8")  # (..., last)
-        # A dynamic or odd last axis: draw flat in rows of 16 bytes (view needs a static
-        # last axis), then cut to size.
-        n = ops.size(inputs)
-        words = self._words(((n + 15) // 16, 4))  # (rows, 4)
-        return ops.reshape(ops.reshape(ops.view(words, "uint8"), (-1,))[:n], shape)
+    def _hashed_bytes(self, inputs):
+        """uint8 array of inputs' shape: byte i of the counter hash's words, i the flat index."""
+        import tensorflow as tf
 
-    def _words(self, shape):
-        # Every int32 but the largest: the missing value biases a byte by < 1e-9.
-        return keras.random.randint(shape, -(2**31), 2**31 - 1, dtype="int32",
-                                    seed=self.seed_generator)
+        state = tf.cast(self.seed_generator.next(), tf.uint32)  # (2,)
+        k0, k1 = (mix32(tf.bitwise.bitwise_xor(state[i], tf.constant(salt, tf.uint32)))
+                  for i, salt in enumerate(_KEY_SALTS))
+        size = tf.size(inputs)
+        index = tf.bitcast(tf.range((size + 3) // 4, dtype=tf.int32), tf.uint32)
+        words = mix32(mix32(tf.bitwise.bitwise_xor(index, k0)) + k1)
+        flat = tf.reshape(tf.bitcast(words, tf.uint8), (-1,))  # little-endian bytes of each word
+        return tf.reshape(flat[:size], tf.shape(inputs))
 
 
 @serializable
@@ -173,7 +193,7 @@ class TransformerEncoderBlock(layers.Layer):
             return layers.Dense(units, kernel_initializer=init, dtype=dt, name=name)
 
         def dropout_layer(name):
-            return ByteMaskDropout(self.dropout, seed=derive_seed(seed, name), dtype=dt, name=name)
+            return FastDropout(self.dropout, seed=derive_seed(seed, name), dtype=dt, name=name)
 
         self.qkv = dense(3 * self.hidden, "qkv")
         self.attention_output = dense(self.hidden, "attention_output")

@@ -22,6 +22,7 @@ from keras import layers, ops
 from selfsup_model.classify import MaskedMeanPooling
 from selfsup_model.config import ModelConfig
 from selfsup_model.layers import (
+    FastDropout,
     PaddingMask,
     TokenAndPositionEmbedding,
     TransformerEncoderBlock,
@@ -47,8 +48,8 @@ def build_backbone(vocab_size: int, max_len: int, cfg: ModelConfig, causal: bool
                                   name=EMBEDDING_LAYER)(ids)
     if cfg.norm == "post":
         x = layers.LayerNormalization(epsilon=1e-6, dtype=dtype, name="embeddings_norm")(x)
-    x = layers.Dropout(cfg.dropout, dtype=dtype, seed=derive_seed(seed, "embeddings_dropout"),
-                       name="embeddings_dropout")(x)
+    x = FastDropout(cfg.dropout, dtype=dtype, seed=derive_seed(seed, "embeddings_dropout"),
+                    name="embeddings_dropout")(x)
     for i in range(cfg.layers):
         x = TransformerEncoderBlock(cfg.hidden, cfg.heads, cfg.ff, dropout=cfg.dropout,
                                     norm=cfg.norm, causal=causal, dtype=dtype,
@@ -67,7 +68,8 @@ def with_dropout(backbone: keras.Model, rate: float, keep_weights: bool = True,
     random initialisation of the same architecture: the random-init baseline). A `seed`
     reseeds every layer that draws (initial weights, dropout), by the layer's name. A `dtype`
     (a policy name) replaces the policy of every layer `build_backbone` gives one, as if built
-    with it; the weights stay float32 under either policy."""
+    with it; the weights stay float32 under either policy. Every dropout comes back a
+    `FastDropout` (a backbone saved before it existed has a plain keras one)."""
     rate = float(rate)
 
     def clone(layer):
@@ -80,7 +82,8 @@ def with_dropout(backbone: keras.Model, rate: float, keep_weights: bool = True,
             config["seed"] = derive_seed(seed, layer.name)
         if dtype is not None and not isinstance(layer, PaddingMask):
             config["dtype"] = dtype
-        return layer.__class__.from_config(config)
+        cls = FastDropout if isinstance(layer, keras.layers.Dropout) else layer.__class__
+        return cls.from_config(config)
 
     clone_model = keras.models.clone_model(backbone, clone_function=clone)
     if keep_weights:

@@ -60,7 +60,8 @@ PRESETS: dict[str, dict[str, Any]] = {
                       "checkpoint_every": 500, "jit": "on", "length_buckets": 4,
                       "contrastive_weight": 0.1},
         # Every neural method: 2 rates, then the chosen one again with a second seed at 5%;
-        # 120-300 updates, no dropout inside the encoder (a third of a CPU step) — the same for
+        # 120-300 updates, no dropout inside the encoder (chosen when it cost a third of a CPU
+        # step; under XLA FastDropout makes it ~2%, quality not re-measured) — the same for
         # pretrained and random_init — and XLA
         # (benchmarks/finetune.py: 1.5-1.7x the updates/s once compiled). The rates: with
         # (3e-4, 1e-3) every Transformer chose the top rate on two corpora; given 3e-3,

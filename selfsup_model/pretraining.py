@@ -246,7 +246,7 @@ def _fresh_model(vocab_size: int, max_len: int, model_cfg: ModelConfig, cfg: Pre
                                   dtype=resolve_precision(cfg.mixed_precision), seed=cfg.seed)
         return _compiled(build_pretraining_model(backbone, cfg.objective, model_cfg, cfg.seed,
                                                  **_contrastive(cfg)),
-                         cfg, model_cfg.dropout, total)
+                         cfg, total)
     source = load_keras_model(init.pretrain_model)  # safe_mode=True, bytes verified by sha256
     check_compatible(source.backbone, vocab_size=vocab_size, max_len=max_len, causal=causal,
                      model_cfg=model_cfg, tokenizer_sha256=tokenizer_sha256 or "",
@@ -258,7 +258,7 @@ def _fresh_model(vocab_size: int, max_len: int, model_cfg: ModelConfig, cfg: Pre
                      dtype=resolve_precision(cfg.mixed_precision)), cfg.objective, model_cfg,
         **_contrastive(cfg))
     model.head.set_weights(source.head.get_weights())  # the objective head continues too
-    return _compiled(model, cfg, model_cfg.dropout, total)
+    return _compiled(model, cfg, total)
 
 
 def _contrastive(cfg: PretrainConfig) -> dict[str, float]:
@@ -266,9 +266,9 @@ def _contrastive(cfg: PretrainConfig) -> dict[str, float]:
             "contrastive_temperature": cfg.contrastive_temperature}
 
 
-def _compiled(model, cfg: PretrainConfig, dropout: float, total: int):
+def _compiled(model, cfg: PretrainConfig, total: int):
     jit = resolve_jit(cfg.jit)
-    if slow := xla_dropout_warning(jit, dropout, "model.dropout"):
+    if slow := xla_dropout_warning(jit, model):
         log.warning(slow)
     model.compile(optimizer=build_optimizer(cfg, total), jit_compile=jit)
     return model

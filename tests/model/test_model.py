@@ -10,7 +10,7 @@ import pytest
 
 from selfsup_model.config import ModelConfig
 from selfsup_model.layers import (
-    ByteMaskDropout,
+    FastDropout,
     PaddingMask,
     TokenAndPositionEmbedding,
     TransformerEncoderBlock,
@@ -27,6 +27,7 @@ from selfsup_model.model import (
     with_dropout,
 )
 from selfsup_model.specials import CLS_ID, MASK_ID, PAD_ID, SEP_ID
+from tests.model.legacy_models import with_plain_keras_dropout
 
 V, L = 24, 10
 
@@ -219,8 +220,8 @@ def _dropped(layer, x, training=True) -> np.ndarray:
 
 
 @pytest.mark.parametrize("shape", [(64, 4, 32, 32), (97, 45, 61)])  # packed / flat draws
-def test_byte_mask_dropout_keeps_the_rate_and_the_expectation(shape):
-    layer = ByteMaskDropout(0.1, seed=3)
+def test_fast_dropout_keeps_the_rate_and_the_expectation(shape):
+    layer = FastDropout(0.1, seed=3)
     y = _dropped(layer, np.ones(shape, np.float32))
     n = y.size
     kept = y != 0
@@ -237,18 +238,51 @@ def test_byte_mask_dropout_keeps_the_rate_and_the_expectation(shape):
     assert abs(both - rate**2) < 5 * np.sqrt(rate**2 * (1 - rate**2) / len(flat))
 
 
-def test_byte_mask_dropout_draws_fresh_masks_and_is_off_in_inference():
-    layer = ByteMaskDropout(0.1, seed=3)
+def test_fast_dropout_draws_fresh_masks_and_is_off_in_inference():
+    layer = FastDropout(0.1, seed=3)
     x = np.random.default_rng(0).normal(size=(8, 16, 32)).astype(np.float32)
     first, second = _dropped(layer, x), _dropped(layer, x)
     assert not np.array_equal(first != 0, second != 0)
     np.testing.assert_array_equal(_dropped(layer, x, training=False), x)
-    np.testing.assert_array_equal(_dropped(ByteMaskDropout(0.0), x), x)
+    np.testing.assert_array_equal(_dropped(FastDropout(0.0), x), x)
 
 
-def test_byte_mask_dropout_falls_back_where_bytes_cannot_resolve_the_rate():
+def _lowbias32(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.uint32)
+    x ^= x >> np.uint32(16)
+    x *= np.uint32(0x7FEB352D)
+    x ^= x >> np.uint32(15)
+    x *= np.uint32(0x846CA68B)
+    x ^= x >> np.uint32(16)
+    return x
+
+
+@pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="TensorFlow's draw")
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("shape", [(3, 2, 8, 8), (5, 7, 3)])  # a multiple of 4 elements / not
+def test_fast_dropout_mask_is_the_counter_hash_with_or_without_xla(jit, shape):
+    import tensorflow as tf
+
+    layer = FastDropout(0.25, seed=11)
+    x = np.arange(1, np.prod(shape) + 1, dtype=np.float32).reshape(shape)
+    layer(x, training=True)  # builds the seed state, advances it once
+    state = np.asarray(layer.seed_generator.state.value, np.uint32)
+    y = tf.function(lambda t: layer(t, training=True), jit_compile=jit)(x).numpy()
+    # By hand: keys from the state's words, word j = mix(mix(j ^ k0) + k1), byte i of the
+    # little-endian words belongs to flat element i; kept when the byte is >= 0.25 * 256.
+    with np.errstate(over="ignore"):
+        k0 = _lowbias32(state[:1] ^ np.uint32(0x9E3779B9))
+        k1 = _lowbias32(state[1:] ^ np.uint32(0x85EBCA6B))
+        words = _lowbias32(_lowbias32(np.arange((x.size + 3) // 4, dtype=np.uint32) ^ k0) + k1)
+    keep = (words.astype("<u4").view(np.uint8)[: x.size] >= 64).reshape(shape)
+    np.testing.assert_array_equal(y, np.where(keep, x * np.float32(256 / 192), 0))
+    assert 0 < keep.mean() < 1
+    assert np.array_equal(np.asarray(layer.seed_generator.state.value), state + [0, 1])
+
+
+def test_fast_dropout_falls_back_where_bytes_cannot_resolve_the_rate():
     # 0.001 * 256 rounds to 0: bytes would drop nothing, so keras' own draws take over.
-    y = _dropped(ByteMaskDropout(0.001, seed=1), np.ones((256, 1024), np.float32))
+    y = _dropped(FastDropout(0.001, seed=1), np.ones((256, 1024), np.float32))
     assert 0.0005 < (y == 0).mean() < 0.002
 
 
@@ -263,3 +297,25 @@ def test_block_dropout_is_active_in_training_only():
     assert not np.allclose(train[0], train[1])
     assert all(isinstance(layer, keras.layers.Dropout)
                for layer in (block.probs_dropout, block.attention_dropout, block.ff_dropout))
+
+
+def test_with_dropout_turns_a_saved_plain_keras_dropout_into_fast_dropout(tmp_path):
+    """A backbone saved before FastDropout existed (keras' Dropout after the embeddings) comes
+    back from `with_dropout` with FastDropout at the new rate and its weights unchanged."""
+    keras.utils.set_random_seed(6)
+    source = build_backbone(V, L, _cfg(dropout=0.1))
+    old = with_plain_keras_dropout(source)
+    old.save(tmp_path / "old.keras")
+    old = keras.saving.load_model(tmp_path / "old.keras", safe_mode=True)
+    assert type(old.get_layer("embeddings_dropout")) is keras.layers.Dropout
+    rebuilt = with_dropout(old, 0.25)
+    dropouts = [layer for layer in rebuilt._flatten_layers()
+                if isinstance(layer, keras.layers.Dropout)]
+    assert len(dropouts) == 1 + 3 * 2  # embeddings, then three sites in each of two blocks
+    assert all(type(d) is FastDropout and d.rate == 0.25 for d in dropouts)
+    ids = _ids([[7, 8, 9, 10], [11, 12]])
+    np.testing.assert_allclose(_dropped(rebuilt, ids, training=False),
+                               _dropped(source, ids, training=False), rtol=1e-6, atol=1e-6)
+    rebuilt.save(tmp_path / "new.keras")  # FastDropout is registered: a safe load finds it
+    loaded = keras.saving.load_model(tmp_path / "new.keras", safe_mode=True)
+    assert type(loaded.get_layer("embeddings_dropout")) is FastDropout
