@@ -73,18 +73,23 @@ PIPELINE: tuple[StageSpec, ...] = (
               # run computes at its own precision, not its source's; v4: the optional
               # same-document contrastive term, and checkpoints fingerprinted by input hashes;
               # v5: pairs drawn per pass (other batches than v4's), validation on the scored
-              # positions
-              version=5),
+              # positions; v6: dropout masks from FastDropout's counter hash (a v5 checkpoint
+              # at dropout > 0 would go on with other masks than it started with)
+              version=6),
     # The tokenizer and the encode settings travel with the classifier it hands over.
     StageSpec("finetune", inputs=("pretrain/encoder.keras", "tokenizer/tokenizer.json",
                                   *LABELLED_INPUTS),
               sections=("finetune", "encode"),
-              version=2),  # v2: rate schedule, staged checks, validation on seen labels
+              # v2: rate schedule, staged checks, validation on seen labels; v3: the head's
+              # (and the encoder's) dropout masks from FastDropout's counter hash
+              version=3),
     # finetune's section: the same fractions, seed and training budget as the pretrained methods.
     StageSpec("baseline", inputs=("ingest/documents.parquet", "tokenizer/tokenizer.json",
                                   *LABELLED_INPUTS),
               sections=("baseline", "finetune", "model"), extra_params=_baseline_extras,
-              version=2),  # v2: rate schedule, validation on seen labels
+              # v2: rate schedule, validation on seen labels; v3: dropout masks from
+              # FastDropout's counter hash
+              version=3),
     StageSpec("compare", inputs=(*(f"{stage}/{name}" for stage in ("finetune", "baseline")
                                    for name in ("predictions.parquet", "seed_predictions.parquet",
                                                 "results.json")),
