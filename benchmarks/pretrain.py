@@ -5,8 +5,8 @@ by side with plain Keras and Hugging Face peers of the same size, interleaved in
     .venv/bin/python benchmarks/pretrain.py --sizes tiny,demo,base --steps 30
     .venv/bin/python benchmarks/pretrain.py --config-4x256 --jit on  # the issue's reference
     .venv/bin/python benchmarks/pretrain.py --config-4x256 --dropout 0 --peer keras,hf
-    .venv/bin/python benchmarks/pretrain.py --config-4x256 --dropout 0.1 \\
-        --peer keras,hf,keras-draws,no-dropout --rounds 6 --steps 4
+    .venv/bin/python benchmarks/pretrain.py --config-4x256 --dropout 0.1 --jit on \\
+        --peer hf,no-dropout,no-xla --rounds 6 --steps 4
     KERAS_BACKEND=jax python benchmarks/pretrain.py --sizes base --precision bf16 --jit on \\
         --steps 50 --val-loss --peak-tflops 989 --block-tensorflow   # benchmarks/gpu_check.sh
 
@@ -29,8 +29,9 @@ per contender per round, for `--rounds` rounds, so load from other jobs hits all
                on the P selected positions, like ours)
   hf           Hugging Face BertForMaskedLM on PyTorch CPU (the `bench` extra)
   hf-fp32      the same in float32 whatever ours' precision (beside `hf` under --precision bf16)
-  keras-draws  ours, but with keras' own dropout draws (the dropout change's before)
+  keras-draws  ours, but with keras' own dropout draws (FastDropout's before)
   no-dropout   ours at dropout 0 (what dropout costs)
+  no-xla       ours compiled without XLA (what --jit on buys)
 Peers see exactly ours' batches of those steps, at full length (as a plain user pads).
 Peers compute at ours' precision: under `--precision bf16` the plain Keras peers take the
 mixed_bfloat16 policy and Hugging Face runs under torch.autocast(bfloat16), as each library's
@@ -62,7 +63,7 @@ from selfsup_model.specials import PAD_ID
 REFERENCE = {"hidden": 256, "layers": 4, "ff": 1024, "vocab": 8192, "seq": 128,  # heads = 4
              "batch": 32}
 REFERENCE_TARGET_TOKENS_PER_S = 9_000
-PEERS = ("keras", "hf", "hf-fp32", "keras-draws", "no-dropout")
+PEERS = ("keras", "hf", "hf-fp32", "keras-draws", "no-dropout", "no-xla")
 
 
 def size_spec(name: str, args) -> dict:
@@ -138,33 +139,38 @@ def step_tokens(data, step: int) -> tuple[int, int]:
     return int(ids.size), int(np.count_nonzero(ids != PAD_ID))
 
 
-def build_ours(spec: dict, args, total: int, dropout_draws: str = "bytes"):
-    """Our compiled PretrainingModel; `dropout_draws="keras"` swaps our byte-mask dropout for
-    keras.layers.Dropout inside the blocks (the dropout change's before)."""
+def build_ours(spec: dict, args, total: int, dropout_draws: str = "hash", jit: str | None = None):
+    """Our compiled PretrainingModel; `dropout_draws="keras"` swaps our FastDropout for
+    keras.layers.Dropout (the counter hash's before); `jit` overrides `--jit`."""
     import keras
 
     from selfsup_model import layers as our_layers
+    from selfsup_model import model as our_model
     from selfsup_model.devices import resolve_jit, resolve_precision
     from selfsup_model.model import build_backbone, build_pretraining_model
     from selfsup_model.pretraining import build_optimizer
 
+    jit = args.jit if jit is None else jit
     model_cfg = ModelConfig(hidden=spec["hidden"], layers=spec["layers"], heads=spec["heads"],
                             ff=spec["ff"], dropout=spec["dropout"], norm=spec["norm"])
     # The preset's schedule squeezed into the run's steps: its warmup, but at most a tenth of them.
     pre_cfg = PretrainConfig(batch_size=spec["batch"], steps=total,
                              learning_rate=spec["learning_rate"], decay=spec["decay"],
                              warmup_steps=min(spec["warmup"], max(1, total // 10)),
-                             mixed_precision=args.precision, jit=args.jit)
+                             mixed_precision=args.precision, jit=jit)
     keras.utils.set_random_seed(0)
-    policy, jit = resolve_precision(args.precision), resolve_jit(args.jit)
-    ours_dropout = getattr(our_layers, "ByteMaskDropout", None)
-    if dropout_draws == "keras" and ours_dropout is not None:
-        our_layers.ByteMaskDropout = keras.layers.Dropout
+    policy, jit = resolve_precision(args.precision), resolve_jit(jit)
+    # Older checkouts (other Python modules) may lack FastDropout: then there is nothing to swap.
+    swapped = [m for m in (our_layers, our_model) if hasattr(m, "FastDropout")]
+    ours_dropout = our_layers.__dict__.get("FastDropout")
+    if dropout_draws == "keras":
+        for module in swapped:
+            module.FastDropout = keras.layers.Dropout
     try:
         backbone = build_backbone(spec["vocab"], spec["seq"], model_cfg, dtype=policy)
     finally:
-        if ours_dropout is not None:
-            our_layers.ByteMaskDropout = ours_dropout
+        for module in swapped:
+            module.FastDropout = ours_dropout
     model = build_pretraining_model(backbone, "mlm", model_cfg)
     model.compile(optimizer=build_optimizer(pre_cfg, total), jit_compile=jit)
     return model, policy, jit
@@ -460,6 +466,8 @@ def contenders(spec: dict, args, windows, peers: list[str]) -> tuple[list[Conten
     if "no-dropout" in peers:
         out.append(ours_contender("ours-dropout-0",
                                   build_ours({**spec, "dropout": 0.0}, args, total)[0], data))
+    if "no-xla" in peers:
+        out.append(ours_contender("ours-no-xla", build_ours(spec, args, total, jit="off")[0], data))
     if "keras" in peers:
         def gathered(steps):
             b = [reference.batch_for_step(s) for s in steps]
