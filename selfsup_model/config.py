@@ -87,7 +87,10 @@ class SplitConfig(_Section):
     use_groups: bool = True
     stratify: bool = True
     seed: int = 7
-    audit_action: Literal["fail", "warn"] = "fail"
+    audit_action: Literal["fail", "warn"] = Field(
+        "fail", description="What a leak does: val/test near-copies of train (the split's "
+                            "audit) or of what a pretrain.init_from lineage pretrained on (the "
+                            "tokenizer stage's check). 'fail' stops the run; 'warn' reports it.")
 
     @model_validator(mode="after")
     def _check(self) -> SplitConfig:
@@ -190,7 +193,9 @@ class PretrainConfig(_Section):
     seed: int = 42
     init_from: str | None = Field(
         None, description="Continue pretraining from another selfsup run: its workdir or its "
-                          "pretrain/encoder.keras. Its tokenizer is reused, not refitted.")
+                          "pretrain/encoder.keras. Its tokenizer is reused, not refitted, "
+                          "after checking that none of this run's val/test documents is a "
+                          "near-copy of what that run's lineage pretrained on.")
 
     @model_validator(mode="after")
     def _check_pairs(self) -> PretrainConfig:

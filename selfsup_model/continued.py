@@ -46,22 +46,58 @@ def resolve_init_source(init_from: str) -> InitSource:
     else:
         raise UserError(f"pretrain.init_from={init_from!r} is neither a selfsup workdir nor its "
                         "pretrain/encoder.keras")
-    files = {}
-    for stage, name in (("tokenizer", "tokenizer.json"), ("pretrain", "pretrain_model.keras"),
-                        ("pretrain", "encoder.keras")):
-        manifest_path = workdir / stage / MANIFEST_NAME
-        if not manifest_path.is_file():
-            raise UserError(f"pretrain.init_from: {workdir} has no finished {stage} stage "
-                            f"({manifest_path} is missing)")
-        record = StageManifest.read(manifest_path).outputs.get(name)
-        file = workdir / stage / name
-        if record is None or not file.is_file() or sha256_file(file) != record.sha256:
-            raise ArtifactError(f"pretrain.init_from: {file} is missing or no longer matches the "
-                                "sha256 its run recorded; refusing to load it")
-        files[name] = (file, record.sha256)
+    files = {name: recorded_file(workdir, stage, name, "pretrain.init_from")
+             for stage, name in (("tokenizer", "tokenizer.json"),
+                                 ("pretrain", "pretrain_model.keras"),
+                                 ("pretrain", "encoder.keras"))}
     return InitSource(workdir.resolve(), files["tokenizer.json"][0],
                       files["pretrain_model.keras"][0], files["tokenizer.json"][1],
                       files["pretrain_model.keras"][1], files["encoder.keras"][1])
+
+
+def recorded_manifest(workdir: Path, stage: str, what: str) -> StageManifest:
+    """The manifest of `workdir`'s finished `stage`; a UserError naming `what` needed it."""
+    manifest_path = workdir / stage / MANIFEST_NAME
+    if not manifest_path.is_file():
+        raise UserError(f"{what}: {workdir} has no finished {stage} stage "
+                        f"({manifest_path} is missing)")
+    return StageManifest.read(manifest_path)
+
+
+def recorded_file(workdir: Path, stage: str, name: str, what: str) -> tuple[Path, str]:
+    """(path, sha256) of a file `stage` wrote in `workdir`, only while its bytes still match the
+    sha256 the stage recorded."""
+    record = recorded_manifest(workdir, stage, what).outputs.get(name)
+    file = workdir / stage / name
+    if record is None or not file.is_file() or sha256_file(file) != record.sha256:
+        raise ArtifactError(f"{what}: {file} is missing or no longer matches the "
+                            "sha256 its run recorded; refusing to load it")
+    return file, record.sha256
+
+
+def lineage(source: Path) -> tuple[list[Path], str | None]:
+    """`source` and every run it continued, nearest first: the runs whose pretraining the
+    source's encoder carries (each tokenizer manifest's `reused_from` names the one before).
+
+    The walk stops at an ancestor whose workdir no longer holds a finished tokenizer stage and
+    says why as the second item (None when the whole lineage was found); a cycle raises
+    UserError."""
+    runs: list[Path] = []
+    run: Path | None = source.resolve()
+    while run is not None:
+        if run in runs:
+            raise UserError("pretrain.init_from: the runs' continued-pretraining sources form a "
+                            f"cycle: {' -> '.join(map(str, [*runs, run]))}")
+        try:
+            manifest = recorded_manifest(run, "tokenizer", "pretrain.init_from's lineage")
+        except UserError as err:
+            if not runs:
+                raise
+            return runs, f"{runs[-1]} continued pretraining from {run}, which cannot be read: {err}"
+        runs.append(run)
+        parent = manifest.counts.get("reused_from") or ""
+        run = Path(parent).resolve() if parent else None
+    return runs, None
 
 
 def check_compatible(backbone: keras.Model, *, vocab_size: int, max_len: int, causal: bool,

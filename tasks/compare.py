@@ -63,9 +63,23 @@ def report_context(ctx: RunContext, inputs: dict[str, Path], n_test: int) -> dic
                                   if k.startswith("val/")},
         "leakage audit": "passed (no near-duplicates or groups across splits)"
                          if audit.get("passed") else f"FAILED: {audit.get('message')}",
+        **_source_check(StageManifest.read(inputs[f"tokenizer/{MANIFEST_NAME}"]).counts),
         "what each method reads": _reads(ctx.config),
         **{f"not run: {method}": reason for method, reason in sorted(unavailable.items())},
     }
+
+
+def _source_check(tokenizer_counts: dict) -> dict[str, str]:
+    """The continued-pretraining leak check's line (none for a run that started from scratch)."""
+    if not tokenizer_counts.get("reused_from"):
+        return {}
+    c = tokenizer_counts
+    found = (f"{c['source_documents_checked']} val/test documents against the "
+             f"{c['source_train_documents']} documents the init_from lineage pretrained on")
+    return {"continued-pretraining leak check":
+            f"passed ({found}: no near-copies)" if c["source_audit_passed"] else
+            f"FAILED ({found}): {c['source_leaking_documents']} leaking document(s) or an "
+            "unreadable lineage; see tokenizer/source_audit.json"}
 
 
 def stage_seconds(inputs: dict[str, Path]) -> dict[str, float]:

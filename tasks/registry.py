@@ -38,6 +38,24 @@ def _init_source(ctx: RunContext, artifact: str) -> dict[str, Any]:
     return {"init_from_sha256": getattr(source, f"{artifact}_sha256")}
 
 
+def _tokenizer_extras(ctx: RunContext) -> dict[str, Any]:
+    """Continuing another run, the tokenizer stage also runs the leak check against what that
+    run's lineage pretrained on: the lineage's recorded inputs and the check's settings."""
+    extras = _init_source(ctx, "tokenizer")
+    if not extras:
+        return {}
+    from selfsup_model.continued import resolve_init_source
+    from selfsup_model.source_audit import lineage_hashes
+
+    split, dedup = ctx.config.split, ctx.config.dedup
+    return {**extras,
+            "lineage": lineage_hashes(resolve_init_source(ctx.config.pretrain.init_from).workdir),
+            "leak_check": {"relatedness_threshold": split.relatedness_threshold,
+                           "audit_action": split.audit_action,
+                           **dedup.model_dump(include={"shingle", "shingle_size", "num_perm",
+                                                       "seed"})}}
+
+
 def _baseline_extras(ctx: RunContext) -> dict[str, Any]:
     """What else the baselines' output depends on: whether the optional extra is importable,
     and the pretraining objective and precision (random_init is causal exactly when the encoder
@@ -58,7 +76,8 @@ PIPELINE: tuple[StageSpec, ...] = (
               # per bucket; v3: higher-recall unit building, a regrouped audit
               version=4),
     StageSpec("tokenizer", inputs=("ingest/documents.parquet", "split/assignments.parquet"),
-              sections=("tokenizer",), extra_params=lambda ctx: _init_source(ctx, "tokenizer")),
+              # Only a continued run's parameters grow (the leak check's): other runs stay fresh.
+              sections=("tokenizer",), extra_params=_tokenizer_extras),
     StageSpec("encode", inputs=("ingest/documents.parquet", "split/assignments.parquet",
                                 "tokenizer/tokenizer.json"),
               sections=("encode",)),

@@ -1,19 +1,50 @@
 """Continued pretraining: run B starts from run A's encoder and keeps A's tokenizer; a checkpoint
 that does not fit is refused with the reason."""
 
+import json
+
 import keras
 import numpy as np
+import pandas as pd
 import pytest
 
 from flows.pipeline import run_pipeline
-from selfsup_model.continued import check_compatible, resolve_init_source
+from selfsup_model.artifacts import StageManifest
+from selfsup_model.continued import check_compatible, lineage, resolve_init_source
 from selfsup_model.errors import UserError
 from selfsup_model.presets import build_config
 from selfsup_model.saving import load_keras_model
 
 # Another corpus than the tiny run's (email, xml, unittest): other standard-library docstrings.
 OTHER = ["ingest.pydocs_libraries=[json, logging, http]"]
-UP_TO_PRETRAIN = ["ingest", "dedup", "split", "tokenizer", "encode", "masks", "pretrain"]
+UP_TO_TOKENIZER = ["ingest", "dedup", "split", "tokenizer"]
+UP_TO_PRETRAIN = [*UP_TO_TOKENIZER, "encode", "masks", "pretrain"]
+
+
+def _shingles(text: str) -> set[str]:
+    """Character 5-grams of the folded text, as the dedup settings say (an independent
+    recomputation: no hashing, no LSH)."""
+    folded = " ".join(text.lower().split())
+    return {folded[i:i + 5] for i in range(max(len(folded) - 4, 1))}
+
+
+def _brute_force_leaks(run, lineage_runs, threshold=0.5) -> set[tuple[str, str]]:
+    """(this run's val/test id, the lineage run) for every held-out document at exact Jaccard
+    >= threshold with some training document of that lineage run."""
+    def split_of(wd):
+        docs = pd.read_parquet(wd / "ingest" / "documents.parquet", columns=["id", "text"])
+        return docs.merge(pd.read_parquet(wd / "split" / "assignments.parquet"), on="id")
+
+    mine = split_of(run)
+    held = [(i, _shingles(t)) for i, t in mine.loc[mine["split"] != "train", ["id", "text"]]
+            .itertuples(index=False)]
+    found = set()
+    for source in lineage_runs:
+        theirs = split_of(source)
+        train = [_shingles(t) for t in theirs.loc[theirs["split"] == "train", "text"]]
+        found |= {(i, str(source.resolve())) for i, a in held
+                  if any(len(a & b) >= threshold * len(a | b) for b in train)}
+    return found
 
 
 def _weights(path):
@@ -42,8 +73,70 @@ def test_run_b_continues_run_a_with_its_tokenizer(tiny_run, tmp_path):
                            if layer.name not in ("input_ids", "padding_mask")}
                 for run in (a, b)}
     assert policies == {a.name: {"float32"}, "b": {"mixed_bfloat16"}}, policies
-    # Its documents really are another corpus.
+    # Its documents really are another corpus: none of B's val/test is a near-copy of A's train.
     assert results["ingest"].counts["kept"] > 0
+    tok = results["tokenizer"].counts
+    assert tok["source_audit_passed"] and tok["source_leaking_documents"] == 0
+    assert tok["source_documents_checked"] > 0
+    a_train = pd.read_parquet(a / "split" / "assignments.parquet")["split"].eq("train").sum()
+    assert tok["source_train_documents"] == a_train
+
+    # C continues B on A's corpus, split another way: B's encoder carries A's pretraining, so
+    # C's val/test documents that were A's train leak through B, and only through A.
+    c = tmp_path / "c"
+    cfg = build_config("tiny", overrides=[f"pretrain.init_from={b}", "split.seed=8",
+                                          "split.audit_action=warn"])
+    tok = {r.stage: r for r in run_pipeline(cfg, "pydocs", workdir=str(c), stages=UP_TO_TOKENIZER,
+                                            tracking=False)}["tokenizer"].counts
+    audit = json.loads((c / "tokenizer" / "source_audit.json").read_text())
+    assert audit["lineage"] == [str(b.resolve()), str(a.resolve())]
+    assert {e["source_run"] for e in audit["examples"]} == {str(a.resolve())}
+    expected = _brute_force_leaks(c, [b, a])
+    assert {run for _, run in expected} == {str(a.resolve())}
+    assert tok["source_leaking_documents"] == len(expected) > 0
+    assert not tok["source_audit_passed"]
+
+
+def test_a_lineage_that_pretrained_on_this_runs_test_set_is_refused(tiny_run, tmp_path):
+    a, _, _ = tiny_run
+    # The same corpus split the same way: A never pretrained on its own val/test.
+    same = build_config("tiny", overrides=[f"pretrain.init_from={a}"])
+    tok = {r.stage: r for r in run_pipeline(same, "pydocs", workdir=str(tmp_path / "same"),
+                                            stages=UP_TO_TOKENIZER, tracking=False)}
+    assert tok["tokenizer"].counts["source_leaking_documents"] == 0
+    # Split another way, documents A trained on land in this run's val/test.
+    other = build_config("tiny", overrides=[f"pretrain.init_from={a}", "split.seed=8"])
+    with pytest.raises(UserError, match="val/test document.* are near-copies .* init_from"):
+        run_pipeline(other, "pydocs", workdir=str(tmp_path / "other"), stages=UP_TO_TOKENIZER,
+                     tracking=False)
+    warned = other.model_copy(update={"split": other.split.model_copy(
+        update={"audit_action": "warn"})})
+    tok = {r.stage: r for r in run_pipeline(warned, "pydocs", workdir=str(tmp_path / "other"),
+                                            stages=UP_TO_TOKENIZER, tracking=False)}
+    expected = _brute_force_leaks(tmp_path / "other", [a])
+    assert tok["tokenizer"].counts["source_leaking_documents"] == len(expected) > 0
+
+
+def _tokenizer_manifest(run, reused_from):
+    (run / "tokenizer").mkdir(parents=True)
+    StageManifest("tokenizer", "test", {}, {}, {}, {"reused_from": str(reused_from or "")}
+                  ).write(run / "tokenizer")
+
+
+def test_lineage_follows_each_run_back_and_stops_where_it_cannot(tmp_path):
+    a, b, c = (tmp_path / name for name in "abc")
+    _tokenizer_manifest(a, None)
+    _tokenizer_manifest(b, a)
+    _tokenizer_manifest(c, b)
+    assert lineage(c) == ([c, b, a], None)
+    gone = tmp_path / "gone"
+    _tokenizer_manifest(tmp_path / "d", gone)
+    runs, why = lineage(tmp_path / "d")
+    assert runs == [tmp_path / "d"] and str(gone) in why and "no finished tokenizer" in why
+    _tokenizer_manifest(tmp_path / "x", tmp_path / "y")
+    _tokenizer_manifest(tmp_path / "y", tmp_path / "x")
+    with pytest.raises(UserError, match="form a cycle"):
+        lineage(tmp_path / "x")
 
 
 def test_a_checkpoint_that_does_not_fit_is_refused(tiny_run, tmp_path):
