@@ -112,6 +112,19 @@ def sha256_file(path: str | os.PathLike) -> str:
     return digest.hexdigest()
 
 
+_HASHES: dict[tuple[str, int, int], str] = {}
+
+
+def cached_sha256(path: str | os.PathLike) -> str:
+    """sha256 of a file, memoised on (path, size, mtime) within this process."""
+    path = Path(path)
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _HASHES:
+        _HASHES[key] = sha256_file(path)
+    return _HASHES[key]
+
+
 def sha256_arrays(arrays: list[Any]) -> str:
     """One digest of arrays' shapes, dtypes and bytes, in order."""
     import numpy as np

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from selfsup_model.artifacts import atomic_path, atomic_write_json, sha256_json
+from selfsup_model.artifacts import atomic_path, atomic_write_json, cached_sha256, sha256_json
 from selfsup_model.errors import UserError
 
 EMBEDDING_DIM = 384
@@ -141,10 +141,12 @@ def _model_dir() -> Path:
 
 
 def _model_fingerprint(model_dir: Path) -> str:
-    """Identity of the model's files, cheap enough to compute on every call."""
+    """Identity of the model's files: its configs and its weights' sha256 (hashed once per
+    process while the file's size and mtime stay), so other weights of the same size - a
+    fine-tuned copy, a new release - never read vectors the old ones wrote."""
     configs = {n: (model_dir / n).read_text("utf-8") for n in _MODEL_FILES if n.endswith(".json")}
-    weights = (model_dir / "model.safetensors").stat().st_size
-    return sha256_json({"configs": configs, "weights_bytes": weights})
+    weights = cached_sha256(model_dir / "model.safetensors")
+    return sha256_json({"configs": configs, "weights_sha256": weights})
 
 
 def _max_seq_length(model_dir: Path) -> int:

@@ -24,9 +24,9 @@ from selfsup_model import __version__
 from selfsup_model.artifacts import (
     MANIFEST_NAME,
     StageManifest,
+    cached_sha256,
     read_manifest,
     record_outputs,
-    sha256_file,
     verify_outputs,
 )
 from selfsup_model.config import PipelineConfig
@@ -151,18 +151,6 @@ class StageResult:
 
 
 Compute = Callable[[RunContext, Path, dict[str, Path]], StageOutput]
-
-_HASHES: dict[tuple[str, int, int], str] = {}
-
-
-def cached_sha256(path: Path) -> str:
-    """sha256 of a file, memoised on (path, size, mtime) within this process."""
-    st = path.stat()
-    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
-    if key not in _HASHES:
-        _HASHES[key] = sha256_file(path)
-    return _HASHES[key]
-
 
 def _canonical(obj: Any) -> Any:
     return json.loads(json.dumps(obj, sort_keys=True, default=str))

@@ -8,7 +8,9 @@ import pytest
 
 from selfsup_model.errors import UserError
 from selfsup_model.sentence_embeddings import (
+    _MODEL_FILES,
     EMBEDDING_DIM,
+    _model_fingerprint,
     embed_texts,
     sentence_embedding_status,
 )
@@ -92,3 +94,19 @@ def test_embed_texts_missing_model_is_a_user_error(require_extra, monkeypatch, t
     assert sentence_embedding_status()[0] is False
     with pytest.raises(UserError, match="model files"):
         embed_texts(["a text"], tmp_path / "cache")
+
+
+def test_the_cache_key_follows_the_weights_bytes_not_only_their_size(tmp_path):
+    """Other weights of the same size (a fine-tuned copy, a new release) must not read the
+    vectors the old ones cached."""
+    for name in _MODEL_FILES:
+        (tmp_path / name).write_text("{}" if name.endswith(".json") else "", "utf-8")
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"a" * 64)
+    before = _model_fingerprint(tmp_path)
+    assert _model_fingerprint(tmp_path) == before
+    mtime = weights.stat().st_mtime_ns
+    weights.write_bytes(b"b" * 64)
+    os.utime(weights, ns=(mtime + 1_000_000_000, mtime + 1_000_000_000))
+    assert weights.stat().st_size == 64
+    assert _model_fingerprint(tmp_path) != before
