@@ -39,17 +39,18 @@ def _init_source(ctx: RunContext, artifact: str) -> dict[str, Any]:
 
 
 def _tokenizer_extras(ctx: RunContext) -> dict[str, Any]:
-    """Continuing another run, the tokenizer stage also runs the leak check against what that
-    run's lineage pretrained on: the lineage's recorded inputs and the check's settings."""
-    extras = _init_source(ctx, "tokenizer")
-    if not extras:
+    """Continuing another run, the tokenizer stage copies its tokenizer and runs the leak check
+    against what that run's lineage pretrained on: the source tokenizer's sha256, the lineage's
+    recorded inputs and the check's settings (nothing when unset)."""
+    if not ctx.config.pretrain.init_from:
         return {}
     from selfsup_model.continued import resolve_init_source
     from selfsup_model.source_audit import lineage_hashes
 
+    source = resolve_init_source(ctx.config.pretrain.init_from)
     split, dedup = ctx.config.split, ctx.config.dedup
-    return {**extras,
-            "lineage": lineage_hashes(resolve_init_source(ctx.config.pretrain.init_from).workdir),
+    return {"init_from_sha256": source.tokenizer_sha256,
+            "lineage": lineage_hashes(source.workdir),
             "leak_check": {"relatedness_threshold": split.relatedness_threshold,
                            "audit_action": split.audit_action,
                            **dedup.model_dump(include={"shingle", "shingle_size", "num_perm",

@@ -104,6 +104,15 @@ def test_a_lineage_that_pretrained_on_this_runs_test_set_is_refused(tiny_run, tm
     tok = {r.stage: r for r in run_pipeline(same, "pydocs", workdir=str(tmp_path / "same"),
                                             stages=UP_TO_TOKENIZER, tracking=False)}
     assert tok["tokenizer"].counts["source_leaking_documents"] == 0
+    # The check's settings are the tokenizer stage's parameters when continuing: the same
+    # settings skip it, another audit_action reruns it (the split's bytes did not change).
+    again = {r.stage: r.status for r in run_pipeline(same, "pydocs", workdir=str(tmp_path / "same"),
+                                                     stages=UP_TO_TOKENIZER, tracking=False)}
+    assert again["tokenizer"] == "skipped"
+    warn = same.model_copy(update={"split": same.split.model_copy(update={"audit_action": "warn"})})
+    again = {r.stage: r.status for r in run_pipeline(warn, "pydocs", workdir=str(tmp_path / "same"),
+                                                     stages=UP_TO_TOKENIZER, tracking=False)}
+    assert again == {"ingest": "skipped", "dedup": "skipped", "split": "ran", "tokenizer": "ran"}
     # Split another way, documents A trained on land in this run's val/test.
     other = build_config("tiny", overrides=[f"pretrain.init_from={a}", "split.seed=8"])
     with pytest.raises(UserError, match="val/test document.* are near-copies .* init_from"):
