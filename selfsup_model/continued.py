@@ -16,7 +16,7 @@ from pathlib import Path
 
 import keras
 
-from selfsup_model.artifacts import MANIFEST_NAME, StageManifest, sha256_file
+from selfsup_model.artifacts import MANIFEST_NAME, StageManifest, cached_sha256
 from selfsup_model.config import ModelConfig
 from selfsup_model.errors import ArtifactError, UserError
 from selfsup_model.layers import TransformerEncoderBlock
@@ -66,10 +66,11 @@ def recorded_manifest(workdir: Path, stage: str, what: str) -> StageManifest:
 
 def recorded_file(workdir: Path, stage: str, name: str, what: str) -> tuple[Path, str]:
     """(path, sha256) of a file `stage` wrote in `workdir`, only while its bytes still match the
-    sha256 the stage recorded."""
+    sha256 the stage recorded (hashed once per process while its size and mtime stay, as the
+    stage runner verifies its own inputs: the parameters of two stages and two computes ask)."""
     record = recorded_manifest(workdir, stage, what).outputs.get(name)
     file = workdir / stage / name
-    if record is None or not file.is_file() or sha256_file(file) != record.sha256:
+    if record is None or not file.is_file() or cached_sha256(file) != record.sha256:
         raise ArtifactError(f"{what}: {file} is missing or no longer matches the "
                             "sha256 its run recorded; refusing to load it")
     return file, record.sha256
