@@ -2,6 +2,7 @@
 that does not fit is refused with the reason."""
 
 import json
+import shutil
 
 import keras
 import numpy as np
@@ -11,7 +12,7 @@ import pytest
 from flows.pipeline import run_pipeline
 from selfsup_model.artifacts import StageManifest
 from selfsup_model.continued import check_compatible, lineage, resolve_init_source
-from selfsup_model.errors import UserError
+from selfsup_model.errors import ArtifactError, UserError
 from selfsup_model.presets import build_config
 from selfsup_model.saving import load_keras_model
 
@@ -177,3 +178,16 @@ def test_a_checkpoint_that_does_not_fit_is_refused(tiny_run, tmp_path):
                          tokenizer_sha256=source.tokenizer_sha256, head_tied=True)
     with pytest.raises(UserError, match="neither a selfsup workdir"):
         resolve_init_source(str(tmp_path / "nowhere"))
+
+
+def test_a_source_file_changed_after_its_run_is_never_read(tiny_run, tmp_path):
+    a, _, _ = tiny_run
+    source = tmp_path / "copy"
+    for stage in ("ingest", "split", "tokenizer", "pretrain"):
+        shutil.copytree(a / stage, source / stage)
+    with open(source / "split" / "assignments.parquet", "ab") as fh:
+        fh.write(b"\0")  # edited after its run recorded it
+    cfg = build_config("tiny", overrides=[f"pretrain.init_from={source}"])
+    with pytest.raises(ArtifactError, match=r"assignments.parquet is missing or no longer matches"):
+        run_pipeline(cfg, "pydocs", workdir=str(tmp_path / "c"), stages=UP_TO_TOKENIZER,
+                     tracking=False)
