@@ -181,6 +181,13 @@ class PretrainConfig(_Section):
                     "encode.max_len (rounded up to multiples of 8); each window goes in the "
                     "shortest that holds its real tokens, so less padding is computed. "
                     "1: every batch at max_len.")
+    packing: bool = Field(
+        False,
+        description="Pack several training windows into each row of encode.max_len positions "
+                    "(best fit, longest first) instead of padding each to its own row: almost "
+                    "no padding is computed and every batch has one shape. Attention stays "
+                    "within each window's document and positions restart at its [CLS]. "
+                    "Needs length_buckets=1, no contrastive term and dynamic masks.")
     contrastive_weight: float = Field(
         0.0, ge=0.0,
         description="Weight of a same-document contrastive term added to the objective's loss: "
@@ -202,6 +209,14 @@ class PretrainConfig(_Section):
         if self.contrastive_weight > 0 and (self.batch_size < 4 or self.batch_size % 2):
             raise ValueError("pretrain.contrastive_weight > 0 pairs windows: pretrain.batch_size "
                              f"must be even and at least 4, got {self.batch_size}")
+        clash = [name for name, on in (("pretrain.length_buckets > 1", self.length_buckets > 1),
+                                       ("pretrain.contrastive_weight > 0",
+                                        self.contrastive_weight > 0),
+                                       ("pretrain.static_train_masks", self.static_train_masks))
+                 if on]
+        if self.packing and clash:
+            raise ValueError(f"pretrain.packing fills rows with whole windows; it cannot be "
+                             f"combined with {' or '.join(clash)}")
         return self
 
 

@@ -1,8 +1,15 @@
-"""Transformer building blocks: embeddings, the padding mask and one encoder block.
+"""Transformer building blocks: embeddings, the attention masks and one encoder block.
 
 Shapes: B batch, L sequence length, H hidden width, F feed-forward width.
 Every layer's constructor arguments come back out of `get_config()`, so a
 saved model reloads (with `safe_mode=True`) from the registered classes alone.
+
+A row of ids may hold several documents back to back (packed pretraining
+batches): each begins with its framing token, [CLS] (masked LM) or [BOS]
+(causal LM), which content never carries. `DocumentMask` lets a token attend
+only within its own document and `TokenAndPositionEmbedding` restarts the
+positions at each one, so a packed document is computed exactly as if it were
+alone in its row. A row with one document is unchanged by either.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ import keras
 from keras import layers, ops
 
 from selfsup_model.saving import serializable
-from selfsup_model.specials import PAD_ID
+from selfsup_model.specials import BOS_ID, CLS_ID, PAD_ID
 
 
 def gelu(x):
@@ -110,10 +117,50 @@ class FastDropout(layers.Dropout):
 
 @serializable
 class PaddingMask(layers.Layer):
-    """ids (B, L) -> bool (B, L), True at real tokens: the only source of key visibility."""
+    """ids (B, L) -> bool (B, L), True at real tokens: every query reads every real key.
+    Backbones saved before `DocumentMask` have this one; they never saw packed rows."""
 
     def call(self, ids):
         return ops.not_equal(ids, PAD_ID)
+
+
+def document_ids(ids):
+    """ids (B, L) -> int32 (B, L): 0 at [PAD], else 1 + the number of document starts ([CLS]
+    or [BOS]) at or before the position, so each document of a packed row has its own id."""
+    starts = ops.cast(ops.logical_or(ops.equal(ids, CLS_ID), ops.equal(ids, BOS_ID)), "int32")
+    return ops.where(ops.not_equal(ids, PAD_ID), 1 + ops.cumsum(starts, axis=-1), 0)
+
+
+def same_document(documents):
+    """(B, L) document ids -> bool (B, L, L): True where positions i and j share one."""
+    return ops.equal(ops.expand_dims(documents, 2), ops.expand_dims(documents, 1))
+
+
+@serializable
+class DocumentMask(layers.Layer):
+    """ids (B, L) -> bool (B, L, L): True where query i may read key j, that is where j is a
+    real token of i's document. A [PAD] query (whose output nothing reads) reads every real
+    key, as under `PaddingMask`, so a row with one document gets the very same attention."""
+
+    def call(self, ids):
+        documents = document_ids(ids)  # (B, L)
+        real_key = ops.expand_dims(ops.not_equal(documents, 0), 1)  # (B, 1, L)
+        pad_query = ops.expand_dims(ops.equal(documents, 0), 2)  # (B, L, 1)
+        return ops.logical_and(real_key, ops.logical_or(same_document(documents), pad_query))
+
+    def compute_output_shape(self, input_shape):
+        return (*input_shape, input_shape[-1])
+
+
+def document_positions(ids):
+    """ids (B, L) -> int32 (B, L): each token's position within its document (the count of
+    earlier tokens of that document); a [PAD] keeps its column index."""
+    documents = document_ids(ids)  # (B, L)
+    columns = ops.arange(ops.shape(ids)[-1], dtype="int32")  # (L,)
+    earlier = ops.expand_dims(columns, 1) > ops.expand_dims(columns, 0)  # (L, L): j < i
+    within = ops.sum(ops.cast(ops.logical_and(same_document(documents), earlier[None]),
+                              "int32"), axis=-1)  # (B, L)
+    return ops.where(ops.equal(documents, 0), columns[None], within)
 
 
 @serializable
@@ -121,12 +168,15 @@ class TokenAndPositionEmbedding(layers.Layer):
     """Token lookup plus a learned absolute position vector: ids (B, L) -> (B, L, H)."""
 
     def __init__(self, vocab_size: int, max_len: int, hidden: int, seed: int | None = None,
-                 **kwargs):
+                 document_positions: bool = False, **kwargs):
         super().__init__(**kwargs)
         self.vocab_size = int(vocab_size)
         self.max_len = int(max_len)
         self.hidden = int(hidden)
         self.seed = seed
+        # Count positions from each document's start (packed rows); False (the default, and
+        # every backbone saved before packing) counts from the row's start.
+        self.document_positions = bool(document_positions)
         self.token_embedding = layers.Embedding(
             self.vocab_size, self.hidden,
             embeddings_initializer=truncated_normal_init(seed=derive_seed(seed, "token")),
@@ -152,14 +202,17 @@ class TokenAndPositionEmbedding(layers.Layer):
         length = ops.shape(ids)[-1]
         positions = ops.arange(length, dtype="int32")  # (L,)
         tokens = self.token_embedding(ids)  # (B, L, H)
-        return tokens + ops.expand_dims(self.position_embedding(positions), 0)
+        if not self.document_positions:
+            return tokens + ops.expand_dims(self.position_embedding(positions), 0)
+        return tokens + self.position_embedding(document_positions(ids))  # (B, L, H)
 
     def compute_output_shape(self, input_shape):
         return (*input_shape, self.hidden)
 
     def get_config(self):
         return {**super().get_config(), "vocab_size": self.vocab_size,
-                "max_len": self.max_len, "hidden": self.hidden, "seed": self.seed}
+                "max_len": self.max_len, "hidden": self.hidden, "seed": self.seed,
+                "document_positions": self.document_positions}
 
 
 @serializable
@@ -170,9 +223,10 @@ class TransformerEncoderBlock(layers.Layer):
     `norm="pre"`: x = x + attn(LN(x)); x = x + ffn(LN(x)) (the backbone then adds
     a final LayerNorm). Q, K and V come from one learned (H, 3H) projection: on
     CPU one wide matmul measured ~8% faster per training step than Keras'
-    MultiHeadAttention with three (H, H) ones. The padding mask hides padded
-    *keys* only; every query row, [MASK] included, is computed, and a [MASK] is an
-    ordinary visible key. With `causal`, query i also sees only keys j <= i.
+    MultiHeadAttention with three (H, H) ones. The mask hides padded keys and
+    (`DocumentMask`) the keys of other documents packed into the row; every query
+    row, [MASK] included, is computed, and a [MASK] is an ordinary visible key.
+    With `causal`, query i also sees only keys j <= i.
     """
 
     def __init__(self, hidden: int, heads: int, ff: int, dropout: float = 0.0,
@@ -215,14 +269,17 @@ class TransformerEncoderBlock(layers.Layer):
         self.built = True
 
     def attention_mask(self, padding_mask):
-        """padding_mask (B, L) bool -> (B, 1, L, L) or (B, 1, 1, L): True where query i may read
-        key j."""
-        keys = ops.expand_dims(ops.expand_dims(padding_mask, 1), 1)  # (B, 1, 1, L): real keys only
+        """`DocumentMask`'s (B, L, L) or `PaddingMask`'s (B, L) bool -> (B, 1, L, L) or
+        (B, 1, 1, L): True where query i may read key j."""
+        if len(padding_mask.shape) == 3:  # (B, L, L): real keys of the query's document
+            visible = ops.expand_dims(padding_mask, 1)  # (B, 1, L, L)
+        else:  # (B, L): real keys only
+            visible = ops.expand_dims(ops.expand_dims(padding_mask, 1), 1)  # (B, 1, 1, L)
         if not self.causal:
-            return keys
+            return visible
         positions = ops.arange(ops.shape(padding_mask)[1])
         earlier = ops.expand_dims(positions, 1) >= ops.expand_dims(positions, 0)  # (L, L): j <= i
-        return ops.logical_and(keys, earlier[None, None])
+        return ops.logical_and(visible, earlier[None, None])
 
     def self_attention(self, x, padding_mask, training=None):
         batch, length = ops.shape(x)[0], ops.shape(x)[1]
@@ -240,7 +297,7 @@ class TransformerEncoderBlock(layers.Layer):
         return self.attention_dropout(out, training=training)
 
     def call(self, x, padding_mask, training=None):
-        # x (B, L, H); padding_mask (B, L) bool, True at real tokens.
+        # x (B, L, H); padding_mask: DocumentMask's (B, L, L) or PaddingMask's (B, L) bool.
         def feed_forward(h):
             out = self.ff_out(gelu(self.ff_in(h)))  # (B, L, F) -> (B, L, H)
             return self.ff_dropout(out, training=training)

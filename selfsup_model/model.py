@@ -22,6 +22,7 @@ from keras import layers, ops
 from selfsup_model.classify import MaskedMeanPooling
 from selfsup_model.config import ModelConfig
 from selfsup_model.layers import (
+    DocumentMask,
     FastDropout,
     PaddingMask,
     TokenAndPositionEmbedding,
@@ -34,18 +35,20 @@ from selfsup_model.losses import TokenWeightedLoss, paired_info_nce, token_weigh
 from selfsup_model.saving import serializable
 
 EMBEDDING_LAYER = "embeddings"
+DOCUMENT_MASK_LAYER = "document_mask"
 OBJECTIVES = ("mlm", "clm")
 
 
 def build_backbone(vocab_size: int, max_len: int, cfg: ModelConfig, causal: bool = False,
                    dtype=None, seed: int | None = None) -> keras.Model:
     """int32 ids (B, L), L <= max_len -> states (B, L, H); `seed` fixes every initial weight
-    and dropout draw (`layers.derive_seed`)."""
+    and dropout draw (`layers.derive_seed`). A row may hold several documents, each opened by
+    [CLS] or [BOS]: none attends to another, and each has its own positions from 0."""
     ids = keras.Input(shape=(None,), dtype="int32", name="input_ids")
-    padding_mask = PaddingMask(name="padding_mask")(ids)  # (B, L) bool
+    visible = DocumentMask(name=DOCUMENT_MASK_LAYER)(ids)  # (B, L, L) bool
     x = TokenAndPositionEmbedding(vocab_size, max_len, cfg.hidden, dtype=dtype,
                                   seed=derive_seed(seed, EMBEDDING_LAYER),
-                                  name=EMBEDDING_LAYER)(ids)
+                                  document_positions=True, name=EMBEDDING_LAYER)(ids)
     if cfg.norm == "post":
         x = layers.LayerNormalization(epsilon=1e-6, dtype=dtype, name="embeddings_norm")(x)
     x = FastDropout(cfg.dropout, dtype=dtype, seed=derive_seed(seed, "embeddings_dropout"),
@@ -54,7 +57,7 @@ def build_backbone(vocab_size: int, max_len: int, cfg: ModelConfig, causal: bool
         x = TransformerEncoderBlock(cfg.hidden, cfg.heads, cfg.ff, dropout=cfg.dropout,
                                     norm=cfg.norm, causal=causal, dtype=dtype,
                                     seed=derive_seed(seed, f"block_{i}"),
-                                    name=f"block_{i}")(x, padding_mask=padding_mask)
+                                    name=f"block_{i}")(x, padding_mask=visible)
     if cfg.norm == "pre":
         # Pre-norm residual streams are never normalised inside the blocks.
         x = layers.LayerNormalization(epsilon=1e-6, dtype=dtype, name="final_norm")(x)
@@ -80,7 +83,7 @@ def with_dropout(backbone: keras.Model, rate: float, keep_weights: bool = True,
             config["dropout"] = rate
         if seed is not None and "seed" in config:
             config["seed"] = derive_seed(seed, layer.name)
-        if dtype is not None and not isinstance(layer, PaddingMask):
+        if dtype is not None and not isinstance(layer, (PaddingMask, DocumentMask)):
             config["dtype"] = dtype
         cls = FastDropout if isinstance(layer, keras.layers.Dropout) else layer.__class__
         return cls.from_config(config)
@@ -93,6 +96,13 @@ def with_dropout(backbone: keras.Model, rate: float, keep_weights: bool = True,
 
 def token_embedding_of(backbone: keras.Model) -> TokenAndPositionEmbedding:
     return backbone.get_layer(EMBEDDING_LAYER)
+
+
+def separates_documents(backbone: keras.Model) -> bool:
+    """Whether `backbone` keeps the documents of a packed row apart (attention and positions);
+    backbones saved before packing existed do not."""
+    masks = [layer for layer in backbone.layers if isinstance(layer, DocumentMask)]
+    return bool(masks) and token_embedding_of(backbone).document_positions
 
 
 @serializable

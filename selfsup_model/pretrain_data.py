@@ -23,6 +23,17 @@ window's partner at once from a Generator seeded by (seed, p), so with buckets a
 the bucket of its longer window and a batch is trimmed to what both halves of its pairs need
 (drawing partners per batch instead would lengthen most batches to their longest partner).
 
+With `packing`, several windows share a row of max_len positions instead: the
+windows are packed once, best fit decreasing by length (each, longest first,
+into the open row with the least room that still holds it), which fixes how
+many rows a pass has and which lengths share one; each pass then breaks ties
+between equal lengths in a seeded order and permutes the rows, and batch b of
+a pass is rows [b*B, (b+1)*B) (the pass's last batch is filled up with empty
+rows, so every batch has one shape). Each window opens with [CLS], so the model
+keeps the documents of a row apart (`layers.DocumentMask`): a packed window is
+computed as if alone. Masked-LM corruption is drawn per packed row, causal-LM
+targets never cross into the next window.
+
 Corruption for step s is drawn from a Generator seeded by (seed, s) (dynamic
 masking: a window gets a new selection on every pass) or, with static training
 masks, by (seed, window index) on the untrimmed window, which gives each window
@@ -43,7 +54,7 @@ from selfsup_model.config import MaskingConfig, PretrainConfig
 from selfsup_model.devices import local_share
 from selfsup_model.errors import UserError
 from selfsup_model.masking import mask_tokens
-from selfsup_model.specials import NUM_SPECIAL, PAD_ID
+from selfsup_model.specials import CLS_ID, NUM_SPECIAL, PAD_ID
 from selfsup_model.windows import causal_lm_batch
 
 # Independent random streams per purpose, so the pass order and the corruption
@@ -118,6 +129,44 @@ def _document_extents(doc_offsets, n: int) -> tuple[np.ndarray, np.ndarray]:
     return np.repeat(offsets[:-1], counts), np.repeat(counts, counts)
 
 
+def pack_rows(lengths: np.ndarray, capacity: int) -> np.ndarray:
+    """Best fit decreasing: (n,) lengths, each in [0, capacity], taken longest first (ties in
+    the given order) -> (n,) the row each one goes in, numbered in order of opening. Each
+    goes in the open row with the least room that still holds it, else opens a row. The
+    assignment depends on the sorted lengths alone, so any order of equal lengths gets the
+    same rows."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if lengths.size and (lengths.min() < 0 or lengths.max() > capacity):
+        raise ValueError(f"lengths must lie in [0, {capacity}]")
+    order = np.argsort(-lengths, kind="stable")
+    row_of = np.empty(len(lengths), dtype=np.int64)
+    # rooms[r]: open rows with exactly r positions free, most recently filled last.
+    rooms: list[list[int]] = [[] for _ in range(capacity + 1)]
+    has_room = np.zeros(capacity + 1, dtype=bool)
+    opened = 0
+    for item in order:  # one step per window, not per token
+        need = int(lengths[item])
+        fits = has_room[need:]
+        if need * 2 > capacity or not fits.any():  # nothing already open can take it
+            row, free = opened, capacity
+            opened += 1
+        else:
+            free = need + int(np.argmax(fits))
+            row = rooms[free].pop()
+            has_room[free] = bool(rooms[free])
+        row_of[item] = row
+        left = free - need
+        rooms[left].append(row)
+        has_room[left] = True
+    return row_of
+
+
+class _PackedLayout(NamedTuple):
+    flat: np.ndarray  # (n,) window indices, row after row in the pass's row order
+    starts: np.ndarray  # (rows + 1,) where each row begins in `flat`
+    offsets: np.ndarray  # (n,) the column each window of `flat` starts at in its row
+
+
 class _PassLayout(NamedTuple):
     flat: np.ndarray  # (n,) window indices (paired: anchors), batch after batch
     starts: np.ndarray  # (batches + 1,) where each batch begins in `flat`
@@ -135,7 +184,8 @@ class PretrainBatches(keras.utils.PyDataset):
     def __init__(self, windows, *, objective: str, batch_size: int, total_steps: int, seed: int,
                  masking: MaskingConfig | None = None, vocab_size: int | None = None,
                  static_masks: bool = False, start_step: int = 0, length_buckets: int = 1,
-                 pairs: bool = False, doc_offsets: np.ndarray | None = None):
+                 pairs: bool = False, doc_offsets: np.ndarray | None = None,
+                 packing: bool = False):
         # One worker, no multiprocessing: the batch for an index is built on demand and
         # tf.data's prefetch overlaps it with the step; workers would copy the memmap.
         super().__init__(workers=1, use_multiprocessing=False)
@@ -155,12 +205,36 @@ class PretrainBatches(keras.utils.PyDataset):
         self._rows = self.batch_size // 2 if self.pairs else self.batch_size
         self.bucket_lengths = bucket_lengths(self.max_len, int(length_buckets))
         self.real, extent = real_lengths(windows)  # (n,), (n,)
+        self.extent = extent
         self.bucket_of = np.searchsorted(self.bucket_lengths, extent)  # (n,) bucket index
         self._members = [np.flatnonzero(self.bucket_of == b)
                          for b in range(len(self.bucket_lengths))]
         self._orders: dict[int, np.ndarray] = {}
         self._layouts: dict[int, _PassLayout] = {}
         self._partner_draws: dict[int, np.ndarray] = {}
+        self.packing = bool(packing)
+        if self.packing:
+            self._check_packable(int(length_buckets))
+            self._rank_row = pack_rows(extent, self.max_len)[np.argsort(-extent, kind="stable")]
+            self._packed_rows = int(self._rank_row.max()) + 1
+            self._packed: dict[int, _PackedLayout] = {}
+
+    def _check_packable(self, length_buckets: int) -> None:
+        clash = [name for name, on in (("length buckets", length_buckets > 1),
+                                       ("paired windows", self.pairs),
+                                       ("static training masks", self.static_masks)) if on]
+        if clash:
+            raise UserError(f"packing cannot be combined with {' or '.join(clash)}")
+        n = len(self.windows)
+        for start in range(0, n, _CHUNK_ROWS):
+            chunk = np.asarray(self.windows[start:start + _CHUNK_ROWS])
+            opens = chunk[:, 0] == CLS_ID
+            inner = np.count_nonzero(chunk[:, 1:] == CLS_ID, axis=1)
+            bad = np.flatnonzero(~opens | (inner > 0))
+            if bad.size:
+                raise UserError(f"packing needs every training window to open with [CLS] and "
+                                f"hold no other; window {start + int(bad[0])} does not. "
+                                "Rerun the encode stage, or set pretrain.packing=false")
 
     @property
     def bucketed(self) -> bool:
@@ -168,6 +242,8 @@ class PretrainBatches(keras.utils.PyDataset):
 
     @property
     def batches_per_pass(self) -> int:
+        if self.packing:
+            return math.ceil(self._packed_rows / self.batch_size)
         return math.ceil(len(self.windows) / self._rows)
 
     def __len__(self) -> int:
@@ -230,13 +306,55 @@ class PretrainBatches(keras.utils.PyDataset):
         starts = np.cumsum([0] + [len(b) for b in batches])
         return _PassLayout(np.concatenate(batches), starts, lengths)
 
+    def _packed_layout(self, pass_index: int) -> _PackedLayout:
+        def build() -> _PackedLayout:
+            rng = np.random.default_rng([self.seed, _ORDER_STREAM, pass_index])
+            order = rng.permutation(len(self.windows))
+            by_rank = order[np.argsort(-self.extent[order], kind="stable")]  # ties: seeded
+            place = np.empty(self._packed_rows, dtype=np.int64)  # row -> its place in the pass
+            place[rng.permutation(self._packed_rows)] = np.arange(self._packed_rows)
+            where = place[self._rank_row]  # (n,) place of each rank's row
+            ranked = np.argsort(where, kind="stable")  # row by row, longest window first
+            flat, row = by_rank[ranked], where[ranked]  # (n,) each, row by row
+            starts = np.concatenate([[0], np.cumsum(np.bincount(where, minlength=len(place)))])
+            lengths = self.extent[flat]
+            begin = np.cumsum(lengths) - lengths  # (n,) start in the rows laid end to end
+            return _PackedLayout(flat, starts, begin - begin[starts[row]])
+        return self._recent("_packed", pass_index, build)
+
+    def _packed_step(self, step: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(windows, their row in the batch, their first column) of packed step `step`."""
+        pass_index, batch = divmod(step, self.batches_per_pass)
+        layout = self._packed_layout(pass_index)
+        first = batch * self.batch_size
+        last = min(first + self.batch_size, self._packed_rows)
+        span = slice(layout.starts[first], layout.starts[last])
+        rows = np.repeat(np.arange(last - first), np.diff(layout.starts[first:last + 1]))
+        return layout.flat[span], rows, layout.offsets[span]
+
+    def _packed_batch(self, step: int) -> np.ndarray:
+        """(B, max_len) int32 ids of packed step `step`: its windows side by side, [PAD] after."""
+        index, rows, offsets = self._packed_step(step)
+        ids = np.full((self.batch_size, self.max_len), PAD_ID, dtype=np.int32)
+        columns = np.arange(self.max_len)
+        ascending = np.argsort(index)  # a memmap is read in file order
+        source = np.empty((len(index), self.max_len), dtype=np.int32)
+        source[ascending] = self.windows[index[ascending]]
+        keep = columns[None] < self.extent[index][:, None]  # (k, L) each window's extent
+        target = (rows * self.max_len + offsets)[:, None] + columns[None]
+        ids.reshape(-1)[target[keep]] = source[keep]
+        return ids
+
     def _locate(self, step: int) -> tuple[_PassLayout, int]:
         pass_index, batch = divmod(step, self.batches_per_pass)
         return self._layout(pass_index), batch
 
     def window_indices(self, step: int) -> np.ndarray:
         """(B,) indices of the windows that global step `step` (0-based) trains on (with
-        buckets, fewer for the one short batch of a pass); paired: anchor, partner, ..."""
+        buckets, fewer for the one short batch of a pass); paired: anchor, partner, ...;
+        packed: every window of the step's rows, row by row."""
+        if self.packing:
+            return self._packed_step(step)[0]
         anchors, passes = self._anchors(step)
         if not self.pairs:
             return anchors
@@ -271,12 +389,19 @@ class PretrainBatches(keras.utils.PyDataset):
     def step_tokens(self, step: int) -> StepTokens:
         """Input positions and real (non-[PAD]) input tokens step `step` feeds, from the window
         lengths alone (no batch is built): equal to counting the batch's input_ids."""
-        index, length = self.window_indices(step), self.step_length(step)
-        real = self.real[index]  # (B,)
+        if self.packing:  # per row: the real tokens of the windows packed into it
+            index, rows, _ = self._packed_step(step)
+            real = np.bincount(rows, weights=self.real[index],
+                               minlength=self.batch_size).astype(np.int64)
+            rows_count = self.batch_size
+        else:
+            index = self.window_indices(step)
+            real, rows_count = self.real[index], len(index)  # (B,)
+        length = self.step_length(step)
         if self.objective == "clm":  # inputs are x[:, :length - 1]
             length -= 1
             real = np.minimum(real, length)
-        return StepTokens(len(index), length, int(real.sum()))
+        return StepTokens(rows_count, length, int(real.sum()))
 
     def shapes(self) -> set[tuple[int, int]]:
         """Every (rows, length) input_ids shape a step can have: the same in every pass
@@ -286,8 +411,12 @@ class PretrainBatches(keras.utils.PyDataset):
         return {(t.rows, t.length) for t in map(self.step_tokens, steps)}
 
     def batch_for_step(self, step: int):
-        index, length = self.window_indices(step), self.step_length(step)
-        ids = np.asarray(self.windows[index], dtype=np.int32)  # (B, L)
+        if self.packing:
+            ids = self._packed_batch(step)  # (B, L)
+            index, length = None, self.max_len
+        else:
+            index, length = self.window_indices(step), self.step_length(step)
+            ids = np.asarray(self.windows[index], dtype=np.int32)  # (B, L)
         if self.objective == "clm":
             b = causal_lm_batch(ids[:, :length])  # already shifted once: (B, Lb-1) each
             return {"input_ids": b["input_ids"]}, b["target_ids"], b["loss_weights"]

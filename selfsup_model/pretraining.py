@@ -41,6 +41,7 @@ from selfsup_model.model import (
     build_backbone,
     build_pretrain_export_model,
     build_pretraining_model,
+    separates_documents,
     with_dropout,
 )
 from selfsup_model.optimizers import SelectiveAdamW, WarmupDecay
@@ -189,7 +190,8 @@ def _pretrain(train_windows, val_masks, vocab_size: int, model_cfg: ModelConfig,
                            total_steps=total, seed=cfg.seed, masking=masking_cfg,
                            vocab_size=vocab_size, static_masks=cfg.static_train_masks,
                            start_step=start_step, length_buckets=cfg.length_buckets,
-                           pairs=cfg.contrastive_weight > 0, doc_offsets=doc_offsets)
+                           pairs=cfg.contrastive_weight > 0, doc_offsets=doc_offsets,
+                           packing=cfg.packing)
     reporter = MetricsReporter(
         objective=obj, steps_per_epoch=per_epoch, total_steps=total,
         step_tokens=data.step_tokens,
@@ -251,6 +253,10 @@ def _fresh_model(vocab_size: int, max_len: int, model_cfg: ModelConfig, cfg: Pre
     check_compatible(source.backbone, vocab_size=vocab_size, max_len=max_len, causal=causal,
                      model_cfg=model_cfg, tokenizer_sha256=tokenizer_sha256 or "",
                      source=init, head_tied=source.head.tie_embeddings)
+    if cfg.packing and not separates_documents(source.backbone):
+        raise UserError(f"{init.pretrain_model} was saved before packed batches existed: its "
+                        "attention would mix the windows packed into a row. Continue it with "
+                        "pretrain.packing=false")
     # The run's own precision, not the source's: a bf16 GPU encoder continued on a CPU computes
     # in float32 there, and its random_init baseline is built at the same precision.
     model = build_pretraining_model(

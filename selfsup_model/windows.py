@@ -26,7 +26,8 @@ def causal_lm_batch(windows: np.ndarray) -> dict[str, np.ndarray]:
     The framing becomes [BOS] ... [EOS]; `input_ids` = x[:, :-1] and
     `target_ids` = x[:, 1:], both (B, L-1), so position t predicts token t+1.
     `loss_weights` is 1.0 where the target is a real token (content or [EOS])
-    and 0.0 where it is [PAD]. Consumers must NOT shift again.
+    and 0.0 where it is [PAD] or the [BOS] of the next window packed into the row
+    (nothing predicts where another document starts). Consumers must NOT shift again.
     """
     x = np.asarray(windows, dtype=np.int32)
     if x.ndim != 2 or x.shape[1] < 2:
@@ -36,7 +37,7 @@ def causal_lm_batch(windows: np.ndarray) -> dict[str, np.ndarray]:
     return {
         "input_ids": np.ascontiguousarray(x[:, :-1]),  # (B, L-1)
         "target_ids": np.ascontiguousarray(targets),  # (B, L-1)
-        "loss_weights": (targets != PAD_ID).astype(np.float32),  # (B, L-1)
+        "loss_weights": ((targets != PAD_ID) & (targets != BOS_ID)).astype(np.float32),
     }
 
 
