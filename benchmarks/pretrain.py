@@ -32,7 +32,10 @@ per contender per round, for `--rounds` rounds, so load from other jobs hits all
   keras-draws  ours, but with keras' own dropout draws (FastDropout's before)
   no-dropout   ours at dropout 0 (what dropout costs)
   no-xla       ours compiled without XLA (what --jit on buys)
-Peers see exactly ours' batches of those steps, at full length (as a plain user pads).
+  buckets      ours unpacked, in --length-buckets buckets (beside --packing: which wins)
+Peers see exactly ours' batches of those steps, at full length (as a plain user pads); with
+`--packing` ours packs several windows into each row, and the peers read the same windows
+one to a row.
 Peers compute at ours' precision: under `--precision bf16` the plain Keras peers take the
 mixed_bfloat16 policy and Hugging Face runs under torch.autocast(bfloat16), as each library's
 users turn mixed precision on (float32 weights and optimizer either way).
@@ -63,7 +66,7 @@ from selfsup_model.specials import PAD_ID
 REFERENCE = {"hidden": 256, "layers": 4, "ff": 1024, "vocab": 8192, "seq": 128,  # heads = 4
              "batch": 32}
 REFERENCE_TARGET_TOKENS_PER_S = 9_000
-PEERS = ("keras", "hf", "hf-fp32", "keras-draws", "no-dropout", "no-xla")
+PEERS = ("keras", "hf", "hf-fp32", "keras-draws", "no-dropout", "no-xla", "buckets")
 
 
 def size_spec(name: str, args) -> dict:
@@ -121,10 +124,14 @@ def bucket_setting(args, spec: dict) -> int | None:
     return spec.get("length_buckets", 1)
 
 
-def make_batches(spec: dict, windows, total: int, buckets: int | None):
+def make_batches(spec: dict, windows, total: int, buckets: int | None, packing: bool = False):
     from selfsup_model.pretrain_data import PretrainBatches
 
     extra = {} if buckets is None else {"length_buckets": buckets}
+    if packing:  # several windows to a row, one shape (no buckets)
+        if "packing" not in inspect.signature(PretrainBatches).parameters:
+            raise SystemExit("--packing: this checkout's PretrainBatches cannot pack")
+        extra = {"packing": True}
     return PretrainBatches(windows, objective="mlm", batch_size=spec["batch"], total_steps=total,
                            seed=0, masking=MaskingConfig(max_predictions=spec["predictions"]),
                            vocab_size=spec["vocab"], **extra)
@@ -245,8 +252,8 @@ def bench_size(spec: dict, args) -> dict:
             else max(4 * spec["batch"], 512))
     windows = synthetic_windows(np.random.default_rng(0), pool, spec["seq"], spec["vocab"],
                                 structured=args.val_loss)
-    buckets = bucket_setting(args, spec)
-    data = make_batches(spec, windows, total, buckets)
+    buckets = None if args.packing else bucket_setting(args, spec)
+    data = make_batches(spec, windows, total, buckets, args.packing)
     data_s = time_data(data, min(args.steps, 50))
     model, policy, jit = build_ours(spec, args, total)
     emb = model.backbone.get_layer("embeddings")
@@ -271,7 +278,7 @@ def bench_size(spec: dict, args) -> dict:
     real_per_s = float(tokens[:, 1].sum() / seconds)
     fpt = flops_per_token(spec, non_embedding)
     out = {**spec, "backend": keras.backend.backend(), "policy": policy, "jit": jit,
-           "length_buckets": buckets, "params": model.count_params(),
+           "length_buckets": buckets, "packing": args.packing, "params": model.count_params(),
            "non_embedding_params": non_embedding, "padding_share": round(padding_share(windows), 3),
            "step_ms": round(step_s * 1e3, 2), "data_ms": round(data_s * 1e3, 2),
            "data_share": round(data_s / step_s, 3), "tokens_per_s": round(positions_per_s),
@@ -456,10 +463,14 @@ def hf_contender(spec: dict, reference, bf16: bool, name: str = "hf") -> Contend
 def contenders(spec: dict, args, windows, peers: list[str]) -> tuple[list[Contender], dict]:
     total = args.warmup + args.rounds * args.steps
     buckets = bucket_setting(args, spec)
-    data = make_batches(spec, windows, total, buckets)
+    data = make_batches(spec, windows, total, None if args.packing else buckets, args.packing)
     reference = make_batches(spec, windows, total, None if buckets is None else 1)
     model, policy, jit = build_ours(spec, args, total)
     out = [ours_contender("ours", model, data)]
+    if "buckets" in peers:  # the same model (its own copy), fed bucketed rows, one window each
+        bucketed = make_batches(spec, windows, total, buckets or 1)
+        out.append(ours_contender(f"ours-{buckets or 1}-buckets",
+                                  build_ours(spec, args, total)[0], bucketed))
     if "keras-draws" in peers:
         out.append(ours_contender("ours-keras-draws",
                                   build_ours(spec, args, total, dropout_draws="keras")[0], data))
@@ -495,8 +506,8 @@ def contenders(spec: dict, args, windows, peers: list[str]) -> tuple[list[Conten
             hf = hf_contender(spec, reference, bf16, name)
             if hf is not None:
                 out.append(hf)
-    info = {"policy": policy, "jit": jit, "length_buckets": buckets,
-            "peer_jit": args.peer_jit}
+    info = {"policy": policy, "jit": jit, "packing": args.packing,
+            "length_buckets": None if args.packing else buckets, "peer_jit": args.peer_jit}
     return out, info
 
 
@@ -598,6 +609,8 @@ def main(argv=None) -> int:
     p.add_argument("--length-buckets", type=int, default=None,
                    help="ours' pretrain.length_buckets (default: the config's), where the data "
                         "path has them")
+    p.add_argument("--packing", action="store_true",
+                   help="ours' pretrain.packing: several windows to a row (no buckets)")
     p.add_argument("--peak-tflops", type=float, default=0.0, help="hardware peak, for MFU")
     p.add_argument("--peer", default="",
                    help=f"comma-separated, any of {', '.join(PEERS)}: time them interleaved "
@@ -645,7 +658,7 @@ def main(argv=None) -> int:
 
 def _line(r: dict) -> str:
     keys = ("name", "backend", "policy", "jit", "norm", "dropout", "learning_rate",
-            "length_buckets", "params", "step_ms",
+            "length_buckets", "packing", "params", "step_ms",
             "data_ms", "data_share", "tokens_per_s", "real_tokens_per_s", "gflops_per_token",
             "achieved_tflops", "mfu", "warmup_s", "meets_target", "val_mlm_loss",
             "val_unigram_baseline")
