@@ -26,10 +26,11 @@ the bucket of its longer window and a batch is trimmed to what both halves of it
 With `packing`, several windows share a row of max_len positions instead: the
 windows are packed once, best fit decreasing by length (each, longest first,
 into the open row with the least room that still holds it), which fixes how
-many rows a pass has and which lengths share one; each pass then breaks ties
-between equal lengths in a seeded order and permutes the rows, and batch b of
-a pass is rows [b*B, (b+1)*B) (the pass's last batch is filled up with empty
-rows, so every batch has one shape). Each window opens with [CLS], so the model
+many rows R a pass has and which lengths share one; each pass then breaks ties
+between equal lengths in a seeded order and permutes the rows, and step s reads
+rows [s*B, (s+1)*B) of the endless sequence of passes (pass p is rows
+[p*R, (p+1)*R)), so every batch is B full-length rows, one shape, and every
+window is read once per pass. Each window opens with [CLS], so the model
 keeps the documents of a row apart (`layers.DocumentMask`): a packed window is
 computed as if alone. Masked-LM corruption is drawn per packed row, causal-LM
 targets never cross into the next window.
@@ -242,6 +243,8 @@ class PretrainBatches(keras.utils.PyDataset):
 
     @property
     def batches_per_pass(self) -> int:
+        """Batches a pass takes (packed: rounded up; its last rows open the next batch, which
+        the next pass's first rows fill)."""
         if self.packing:
             return math.ceil(self._packed_rows / self.batch_size)
         return math.ceil(len(self.windows) / self._rows)
@@ -323,14 +326,19 @@ class PretrainBatches(keras.utils.PyDataset):
         return self._recent("_packed", pass_index, build)
 
     def _packed_step(self, step: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(windows, their row in the batch, their first column) of packed step `step`."""
-        pass_index, batch = divmod(step, self.batches_per_pass)
-        layout = self._packed_layout(pass_index)
-        first = batch * self.batch_size
-        last = min(first + self.batch_size, self._packed_rows)
-        span = slice(layout.starts[first], layout.starts[last])
-        rows = np.repeat(np.arange(last - first), np.diff(layout.starts[first:last + 1]))
-        return layout.flat[span], rows, layout.offsets[span]
+        """(windows, their row in the batch, their first column) of packed step `step`: rows
+        [step*B, (step+1)*B) of the endless sequence of passes, each pass its rows in order."""
+        stream = step * self.batch_size + np.arange(self.batch_size, dtype=np.int64)
+        passes, places = np.divmod(stream, self._packed_rows)
+        parts = []
+        for p in np.unique(passes):  # at most two passes meet in one batch
+            here = np.flatnonzero(passes == p)  # consecutive batch rows, consecutive places
+            layout = self._packed_layout(int(p))
+            first, last = int(places[here[0]]), int(places[here[-1]]) + 1
+            span = slice(layout.starts[first], layout.starts[last])
+            counts = np.diff(layout.starts[first:last + 1])
+            parts.append((layout.flat[span], np.repeat(here, counts), layout.offsets[span]))
+        return tuple(np.concatenate(arrays) for arrays in zip(*parts))
 
     def _packed_batch(self, step: int) -> np.ndarray:
         """(B, max_len) int32 ids of packed step `step`: its windows side by side, [PAD] after."""

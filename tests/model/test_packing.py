@@ -96,7 +96,7 @@ def test_no_token_attends_across_a_document_boundary(causal):
 def _docs_of(ids_row: np.ndarray) -> list[tuple[int, int]]:
     """(start, end) of each framed window in a packed row of ids."""
     starts = np.flatnonzero((ids_row == CLS_ID) | (ids_row == BOS_ID)).tolist()
-    end = int(np.count_nonzero(ids_row != PAD_ID))  # an empty row (a pass's last batch): none
+    end = int(np.count_nonzero(ids_row != PAD_ID))
     return list(zip(starts, [*starts[1:], end]))
 
 
@@ -200,34 +200,30 @@ def test_every_window_is_packed_once_per_pass_into_full_length_rows(objective):
     windows = varied(50, seed=8)
     data = packed(windows, objective=objective)
     width = L if objective == "mlm" else L - 1
-    for p in range(2):
-        seen = []
-        for s in range(p * data.batches_per_pass, (p + 1) * data.batches_per_pass):
-            ids, tokens = data.batch_for_step(s)[0]["input_ids"], data.step_tokens(s)
-            assert ids.shape == (4, width) == (tokens.rows, tokens.length)
-            assert np.count_nonzero(ids != PAD_ID) == tokens.real
-            index = data.window_indices(s)
-            seen.append(index)
-            # The row holds exactly the step's windows' real tokens, framing included.
-            opener = CLS_ID if objective == "mlm" else BOS_ID
-            assert np.count_nonzero(ids == opener) == len(index)  # one opener per window
-        seen = np.concatenate(seen)
-        assert np.array_equal(np.sort(seen), np.arange(len(windows)))
-    # Rows hold several windows: far fewer batches than one window per row would take, and
-    # every real token of the pass is fed (causal inputs drop the last column of a full row).
-    real = sum(data.step_tokens(s).real for s in range(data.batches_per_pass))
+    opener = CLS_ID if objective == "mlm" else BOS_ID
+    stream = []
+    for s in range(3 * data.batches_per_pass):
+        ids, tokens = data.batch_for_step(s)[0]["input_ids"], data.step_tokens(s)
+        assert ids.shape == (4, width) == (tokens.rows, tokens.length)
+        assert np.count_nonzero(ids != PAD_ID) == tokens.real
+        assert (ids[:, 0] == opener).all()  # no empty row: passes follow each other
+        index = data.window_indices(s)
+        assert np.count_nonzero(ids == opener) == len(index)  # one opener per window
+        stream.append(index)
+    stream = np.concatenate(stream)
+    n = len(windows)
+    for p in range(2):  # the windows of pass p come as one block of the stream, each once
+        assert np.array_equal(np.sort(stream[p * n:(p + 1) * n]), np.arange(n))
+    assert not np.array_equal(stream[:n], stream[n:2 * n])
+    # Rows hold several windows: a pass takes far fewer batches than one window per row would.
     total = int(np.count_nonzero(windows != PAD_ID))
-    assert math.ceil(total / (4 * L)) <= data.batches_per_pass < math.ceil(len(windows) / 4)
-    if objective == "mlm":
-        assert real == total
-    else:
-        assert total - data.batches_per_pass * 4 <= real < total
+    assert math.ceil(total / (4 * L)) <= data.batches_per_pass < math.ceil(n / 4)
 
 
 def test_packed_rows_copy_each_window_verbatim_before_corruption():
     windows = varied(30, seed=9)
     data = packed(windows)
-    for s in range(data.batches_per_pass):
+    for s in range(data.batches_per_pass + 1):  # the last step holds rows of two passes
         ids = data._packed_batch(s)
         index = data.window_indices(s)
         got = sorted(tuple(ids[r, a:b]) for r in range(len(ids)) for a, b in _docs_of(ids[r]))
