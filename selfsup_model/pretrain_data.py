@@ -55,7 +55,7 @@ from selfsup_model.config import MaskingConfig, PretrainConfig
 from selfsup_model.devices import local_share
 from selfsup_model.errors import UserError
 from selfsup_model.masking import mask_tokens
-from selfsup_model.specials import CLS_ID, NUM_SPECIAL, PAD_ID
+from selfsup_model.specials import BOS_ID, CLS_ID, NUM_SPECIAL, PAD_ID
 from selfsup_model.windows import causal_lm_batch
 
 # Independent random streams per purpose, so the pass order and the corruption
@@ -230,12 +230,14 @@ class PretrainBatches(keras.utils.PyDataset):
         for start in range(0, n, _CHUNK_ROWS):
             chunk = np.asarray(self.windows[start:start + _CHUNK_ROWS])
             opens = chunk[:, 0] == CLS_ID
-            inner = np.count_nonzero(chunk[:, 1:] == CLS_ID, axis=1)
+            # Any other [CLS] or a [BOS] (the causal framing's opener) would split a window.
+            rest = chunk[:, 1:]
+            inner = np.count_nonzero((rest == CLS_ID) | (rest == BOS_ID), axis=1)
             bad = np.flatnonzero(~opens | (inner > 0))
             if bad.size:
                 raise UserError(f"packing needs every training window to open with [CLS] and "
-                                f"hold no other; window {start + int(bad[0])} does not. "
-                                "Rerun the encode stage, or set pretrain.packing=false")
+                                f"hold no other [CLS] or [BOS]; window {start + int(bad[0])} "
+                                "does not. Rerun the encode stage, or set pretrain.packing=false")
 
     @property
     def bucketed(self) -> bool:

@@ -255,6 +255,10 @@ def test_packing_refuses_what_it_cannot_honour():
     inner[3, 2] = CLS_ID
     with pytest.raises(UserError, match="window 3 does not"):
         packed(inner)
+    opener = varied(20)
+    opener[7, 1] = BOS_ID
+    with pytest.raises(UserError, match="window 7 does not"):
+        packed(opener)
     with pytest.raises(ValueError, match="packing"):
         PretrainConfig(packing=True, length_buckets=4)
     with pytest.raises(ValueError, match="contrastive"):
