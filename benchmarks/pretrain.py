@@ -146,9 +146,12 @@ def step_tokens(data, step: int) -> tuple[int, int]:
     return int(ids.size), int(np.count_nonzero(ids != PAD_ID))
 
 
-def build_ours(spec: dict, args, total: int, dropout_draws: str = "hash", jit: str | None = None):
+def build_ours(spec: dict, args, total: int, dropout_draws: str = "hash", jit: str | None = None,
+               packed: bool | None = None):
     """Our compiled PretrainingModel; `dropout_draws="keras"` swaps our FastDropout for
-    keras.layers.Dropout (the counter hash's before); `jit` overrides `--jit`."""
+    keras.layers.Dropout (the counter hash's before); `jit` overrides `--jit`; `packed`
+    (default `--packing`) builds it for packed rows."""
+    data_packed = args.packing if packed is None else packed
     import keras
 
     from selfsup_model import layers as our_layers
@@ -173,8 +176,10 @@ def build_ours(spec: dict, args, total: int, dropout_draws: str = "hash", jit: s
     if dropout_draws == "keras":
         for module in swapped:
             module.FastDropout = keras.layers.Dropout
+    # Packed rows need the encoder that keeps their documents apart, as pretraining builds it.
+    packed = {"documents": True} if data_packed else {}
     try:
-        backbone = build_backbone(spec["vocab"], spec["seq"], model_cfg, dtype=policy)
+        backbone = build_backbone(spec["vocab"], spec["seq"], model_cfg, dtype=policy, **packed)
     finally:
         for module in swapped:
             module.FastDropout = ours_dropout
@@ -470,7 +475,7 @@ def contenders(spec: dict, args, windows, peers: list[str]) -> tuple[list[Conten
     if "buckets" in peers:  # the same model (its own copy), fed bucketed rows, one window each
         bucketed = make_batches(spec, windows, total, buckets or 1)
         out.append(ours_contender(f"ours-{buckets or 1}-buckets",
-                                  build_ours(spec, args, total)[0], bucketed))
+                                  build_ours(spec, args, total, packed=False)[0], bucketed))
     if "keras-draws" in peers:
         out.append(ours_contender("ours-keras-draws",
                                   build_ours(spec, args, total, dropout_draws="keras")[0], data))

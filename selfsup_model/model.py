@@ -40,15 +40,20 @@ OBJECTIVES = ("mlm", "clm")
 
 
 def build_backbone(vocab_size: int, max_len: int, cfg: ModelConfig, causal: bool = False,
-                   dtype=None, seed: int | None = None) -> keras.Model:
+                   dtype=None, seed: int | None = None, documents: bool = False) -> keras.Model:
     """int32 ids (B, L), L <= max_len -> states (B, L, H); `seed` fixes every initial weight
-    and dropout draw (`layers.derive_seed`). A row may hold several documents, each opened by
-    [CLS] or [BOS]: none attends to another, and each has its own positions from 0."""
+    and dropout draw (`layers.derive_seed`). With `documents` (packed pretraining) a row may
+    hold several documents, each opened by [CLS] or [BOS]: none attends to another, and each
+    has its own positions from 0. Without, the padding mask and row positions: the same
+    outputs on one-document rows, at less cost (and the arithmetic of every earlier run)."""
     ids = keras.Input(shape=(None,), dtype="int32", name="input_ids")
-    visible = DocumentMask(name=DOCUMENT_MASK_LAYER)(ids)  # (B, L, L) bool
+    if documents:
+        visible = DocumentMask(name=DOCUMENT_MASK_LAYER)(ids)  # (B, L, L) bool
+    else:
+        visible = PaddingMask(name="padding_mask")(ids)  # (B, L) bool
     x = TokenAndPositionEmbedding(vocab_size, max_len, cfg.hidden, dtype=dtype,
                                   seed=derive_seed(seed, EMBEDDING_LAYER),
-                                  document_positions=True, name=EMBEDDING_LAYER)(ids)
+                                  document_positions=documents, name=EMBEDDING_LAYER)(ids)
     if cfg.norm == "post":
         x = layers.LayerNormalization(epsilon=1e-6, dtype=dtype, name="embeddings_norm")(x)
     x = FastDropout(cfg.dropout, dtype=dtype, seed=derive_seed(seed, "embeddings_dropout"),
@@ -65,18 +70,25 @@ def build_backbone(vocab_size: int, max_len: int, cfg: ModelConfig, causal: bool
 
 
 def with_dropout(backbone: keras.Model, rate: float, keep_weights: bool = True,
-                 seed: int | None = None, dtype: str | None = None) -> keras.Model:
+                 seed: int | None = None, dtype: str | None = None,
+                 documents: bool = False) -> keras.Model:
     """The same backbone rebuilt with every dropout rate set to `rate` (fine-tuning's rate need
     not be pretraining's), carrying over its weights unless `keep_weights` is False (a fresh
     random initialisation of the same architecture: the random-init baseline). A `seed`
     reseeds every layer that draws (initial weights, dropout), by the layer's name. A `dtype`
     (a policy name) replaces the policy of every layer `build_backbone` gives one, as if built
     with it; the weights stay float32 under either policy. Every dropout comes back a
-    `FastDropout` (a backbone saved before it existed has a plain keras one)."""
+    `FastDropout` (a backbone saved before it existed has a plain keras one). `documents`
+    makes a backbone that does not yet keep packed documents apart do so (`build_backbone`)."""
     rate = float(rate)
+    convert = documents and not separates_documents(backbone)
 
     def clone(layer):
+        if convert and isinstance(layer, PaddingMask):
+            return DocumentMask(name=DOCUMENT_MASK_LAYER)
         config = layer.get_config()
+        if convert and isinstance(layer, TokenAndPositionEmbedding):
+            config["document_positions"] = True
         if isinstance(layer, keras.layers.Dropout):
             config["rate"] = rate
         elif isinstance(layer, TransformerEncoderBlock):

@@ -41,7 +41,6 @@ from selfsup_model.model import (
     build_backbone,
     build_pretrain_export_model,
     build_pretraining_model,
-    separates_documents,
     with_dropout,
 )
 from selfsup_model.optimizers import SelectiveAdamW, WarmupDecay
@@ -245,7 +244,8 @@ def _fresh_model(vocab_size: int, max_len: int, model_cfg: ModelConfig, cfg: Pre
     causal = cfg.objective == "clm"
     if init is None:
         backbone = build_backbone(vocab_size, max_len, model_cfg, causal=causal,
-                                  dtype=resolve_precision(cfg.mixed_precision), seed=cfg.seed)
+                                  dtype=resolve_precision(cfg.mixed_precision), seed=cfg.seed,
+                                  documents=cfg.packing)
         return _compiled(build_pretraining_model(backbone, cfg.objective, model_cfg, cfg.seed,
                                                  **_contrastive(cfg)),
                          cfg, total)
@@ -253,15 +253,12 @@ def _fresh_model(vocab_size: int, max_len: int, model_cfg: ModelConfig, cfg: Pre
     check_compatible(source.backbone, vocab_size=vocab_size, max_len=max_len, causal=causal,
                      model_cfg=model_cfg, tokenizer_sha256=tokenizer_sha256 or "",
                      source=init, head_tied=source.head.tie_embeddings)
-    if cfg.packing and not separates_documents(source.backbone):
-        raise UserError(f"{init.pretrain_model} was saved before packed batches existed: its "
-                        "attention would mix the windows packed into a row. Continue it with "
-                        "pretrain.packing=false")
     # The run's own precision, not the source's: a bf16 GPU encoder continued on a CPU computes
     # in float32 there, and its random_init baseline is built at the same precision.
     model = build_pretraining_model(
         with_dropout(source.backbone, model_cfg.dropout, seed=cfg.seed,
-                     dtype=resolve_precision(cfg.mixed_precision)), cfg.objective, model_cfg,
+                     dtype=resolve_precision(cfg.mixed_precision), documents=cfg.packing),
+        cfg.objective, model_cfg,
         **_contrastive(cfg))
     model.head.set_weights(source.head.get_weights())  # the objective head continues too
     return _compiled(model, cfg, total)

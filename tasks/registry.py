@@ -94,9 +94,9 @@ PIPELINE: tuple[StageSpec, ...] = (
               # same-document contrastive term, and checkpoints fingerprinted by input hashes;
               # v5: pairs drawn per pass (other batches than v4's), validation on the scored
               # positions; v6: dropout masks from FastDropout's counter hash (a v5 checkpoint
-              # at dropout > 0 would go on with other masks than it started with); v7: the
-              # encoder keeps packed documents apart (DocumentMask, positions per document)
-              # and pretrain.packing exists (outputs on one-document rows are unchanged)
+              # at dropout > 0 would go on with other masks than it started with); v7:
+              # pretrain.packing, whose encoder keeps packed documents apart (DocumentMask,
+              # positions per document); unpacked runs compute as before
               version=7),
     # The tokenizer and the encode settings travel with the classifier it hands over.
     StageSpec("finetune", inputs=("pretrain/encoder.keras", "tokenizer/tokenizer.json",

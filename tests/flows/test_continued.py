@@ -71,7 +71,7 @@ def test_run_b_continues_run_a_with_its_tokenizer(tiny_run, tmp_path):
         np.testing.assert_allclose(mine, theirs, atol=1e-6)
     policies = {run.name: {layer.dtype_policy.name
                            for layer in load_keras_model(run / "pretrain" / "encoder.keras").layers
-                           if layer.name not in ("input_ids", "document_mask")}
+                           if layer.name not in ("input_ids", "padding_mask")}
                 for run in (a, b)}
     assert policies == {a.name: {"float32"}, "b": {"mixed_bfloat16"}}, policies
     # Its documents really are another corpus: none of B's val/test is a near-copy of A's train.

@@ -16,15 +16,15 @@ from hypothesis import strategies as st
 
 from selfsup_model.config import MaskingConfig, PretrainConfig
 from selfsup_model.errors import UserError
-from selfsup_model.layers import (
-    DocumentMask,
-    PaddingMask,
-    TokenAndPositionEmbedding,
-    document_ids,
-    document_positions,
+from selfsup_model.layers import DocumentMask, PaddingMask, document_ids, document_positions
+from selfsup_model.model import (
+    build_backbone,
+    build_pretraining_model,
+    separates_documents,
+    with_dropout,
 )
-from selfsup_model.model import build_backbone, build_pretraining_model, separates_documents
 from selfsup_model.pretrain_data import PretrainBatches, pack_rows
+from selfsup_model.saving import load_keras_model
 from selfsup_model.specials import BOS_ID, CLS_ID, EOS_ID, PAD_ID, SEP_ID
 from selfsup_model.windows import causal_lm_batch
 from tests.model.test_bucketing import MASKS, MODEL, L, V, framed, varied
@@ -73,7 +73,7 @@ def _pack(docs: list[np.ndarray], length: int) -> np.ndarray:
 @pytest.mark.parametrize("causal", [False, True])
 def test_no_token_attends_across_a_document_boundary(causal):
     keras.utils.set_random_seed(0)
-    backbone = build_backbone(V, L, MODEL, causal=causal, seed=5)
+    backbone = build_backbone(V, L, MODEL, causal=causal, seed=5, documents=True)
     assert separates_documents(backbone)
     opener = BOS_ID if causal else CLS_ID
     rng = np.random.default_rng(1)
@@ -109,7 +109,8 @@ def _ce(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
 
 def test_a_packed_mlm_batch_gives_each_document_its_unpacked_loss():
     keras.utils.set_random_seed(0)
-    model = build_pretraining_model(build_backbone(V, L, MODEL, seed=2), "mlm", MODEL, seed=2)
+    model = build_pretraining_model(build_backbone(V, L, MODEL, seed=2, documents=True), "mlm",
+                                    MODEL, seed=2)
     data = PretrainBatches(varied(40, seed=6), objective="mlm", batch_size=4, total_steps=30,
                            seed=3, masking=MaskingConfig(max_predictions=12, select_rate=0.3),
                            vocab_size=V, packing=True)
@@ -136,8 +137,8 @@ def test_a_packed_mlm_batch_gives_each_document_its_unpacked_loss():
 
 def test_a_packed_clm_batch_gives_each_document_its_unpacked_loss():
     keras.utils.set_random_seed(0)
-    model = build_pretraining_model(build_backbone(V, L, MODEL, causal=True, seed=2), "clm",
-                                    MODEL, seed=2)
+    model = build_pretraining_model(build_backbone(V, L, MODEL, causal=True, seed=2,
+                                                   documents=True), "clm", MODEL, seed=2)
     windows = varied(40, seed=7)
     data = PretrainBatches(windows, objective="clm", batch_size=4, total_steps=30, seed=3,
                            packing=True)
@@ -266,13 +267,26 @@ def test_packing_refuses_what_it_cannot_honour():
     assert PretrainConfig(packing=True).packing
 
 
-def test_only_a_backbone_with_the_document_mask_may_train_on_packed_rows():
-    backbone = build_backbone(V, L, MODEL, seed=1)
-    assert separates_documents(backbone)
-    ids = keras.Input(shape=(None,), dtype="int32")  # how backbones were built before packing
-    old = keras.Model(ids, backbone.get_layer("block_0")(
-        TokenAndPositionEmbedding(V, L, 16)(ids), padding_mask=PaddingMask()(ids)))
-    assert not separates_documents(old)
+def test_a_backbone_keeps_documents_apart_only_when_built_or_converted_to():
+    plain = build_backbone(V, L, MODEL, seed=1)  # what unpacked runs train: the padding mask
+    assert not separates_documents(plain)
+    assert separates_documents(build_backbone(V, L, MODEL, seed=1, documents=True))
+    # Continuing any backbone with packing converts it, weights and all.
+    converted = with_dropout(plain, 0.0, documents=True)
+    assert separates_documents(converted) and not separates_documents(plain)
+    for a, b in zip(plain.get_weights(), converted.get_weights(), strict=True):
+        assert np.array_equal(a, b)
+    one_each = framed([5, 9, L], seed=4)
+    np.testing.assert_allclose(np_(converted(one_each)), np_(plain(one_each)), atol=1e-6)
+    rng = np.random.default_rng(2)
+    docs = [np.concatenate([[CLS_ID], rng.integers(7, V, size=n)]) for n in (7, 9)]
+    alone = np.full((1, L), PAD_ID, dtype=np.int32)
+    alone[0, :len(docs[1])] = docs[1]
+    packed_row = _pack(docs, L)
+    second = np_(converted(packed_row))[0, len(docs[0]):len(docs[0]) + len(docs[1])]
+    np.testing.assert_allclose(second, np_(converted(alone))[0, :len(docs[1])], atol=1e-5)
+    assert np.abs(np_(plain(packed_row))[0, len(docs[0]):len(docs[0]) + len(docs[1])]
+                  - second).max() > 1e-3  # the plain backbone would have mixed them
 
 
 def test_a_packed_run_trains_and_counts_real_tokens(tmp_path):
@@ -288,3 +302,6 @@ def test_a_packed_run_trains_and_counts_real_tokens(tmp_path):
     assert result.tokens_seen == sum(t.positions for t in counts)
     assert result.real_tokens_seen == sum(t.real for t in counts) > 0
     assert np.isfinite(result.val_metrics["val/mlm_loss"])
+    assert separates_documents(load_keras_model(result.encoder_path))  # trained apart, saved so
+    unpacked = tiny_run(str(tmp_path / "unpacked"), steps=2, checkpoint_every=2)
+    assert not separates_documents(load_keras_model(unpacked.encoder_path))
