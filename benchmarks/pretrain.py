@@ -177,9 +177,10 @@ def build_ours(spec: dict, args, total: int, dropout_draws: str = "hash", jit: s
         for module in swapped:
             module.FastDropout = keras.layers.Dropout
     # Packed rows need the encoder that keeps their documents apart, as pretraining builds it.
-    packed = {"documents": True} if data_packed else {}
+    documents = {"documents": True} if data_packed else {}
     try:
-        backbone = build_backbone(spec["vocab"], spec["seq"], model_cfg, dtype=policy, **packed)
+        backbone = build_backbone(spec["vocab"], spec["seq"], model_cfg, dtype=policy,
+                                  **documents)
     finally:
         for module in swapped:
             module.FastDropout = ours_dropout
