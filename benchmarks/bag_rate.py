@@ -20,11 +20,11 @@ from pathlib import Path
 
 import numpy as np
 
-from selfsup_model.bag_of_embeddings import bag_of_embeddings_factory
-from selfsup_model.finetuning import StageTrainers, train_classifier
 from selfsup_model.presets import build_config
-from selfsup_model.tokenization import load_tokenizer
-from selfsup_model.transfer import label_subsets, load_labelled
+from selfsup_model.text.tokenization import load_tokenizer
+from selfsup_model.transfer.bag_of_embeddings import bag_of_embeddings_factory
+from selfsup_model.transfer.finetuning import StageTrainers, train_classifier
+from selfsup_model.transfer.protocol import label_subsets, load_labelled
 
 
 def main(argv=None) -> int:

@@ -31,12 +31,12 @@ import keras
 import numpy as np
 from synthetic import synthetic_windows
 
-from selfsup_model.masking import load_masks, make_static_masks
-from selfsup_model.model import build_backbone, build_pretraining_model
+from selfsup_model.nn.model import build_backbone, build_pretraining_model
 from selfsup_model.presets import build_config
-from selfsup_model.pretrain_data import PretrainBatches
-from selfsup_model.pretraining import build_optimizer, pretrain
-from selfsup_model.tokenization import load_tokenizer
+from selfsup_model.pretraining.batches import PretrainBatches
+from selfsup_model.pretraining.loop import build_optimizer, pretrain
+from selfsup_model.text.masking import load_masks, make_static_masks
+from selfsup_model.text.tokenization import load_tokenizer
 
 
 def load_inputs(workdir: str | None, cfg):

@@ -41,15 +41,15 @@ from datasketch import MinHash, MinHashLSH
 from output import run_cli
 
 from selfsup_model.config import DEFAULT_PYDOCS_LIBRARIES, DedupConfig
-from selfsup_model.dedup import find_duplicates
-from selfsup_model.lsh import candidate_pairs
-from selfsup_model.minhash import (
+from selfsup_model.corpus.dedup import find_duplicates
+from selfsup_model.corpus.lsh import candidate_pairs
+from selfsup_model.corpus.minhash import (
     fold_for_shingling,
     minhash_signatures,
     plausible_pairs,
     verify_pairs,
 )
-from selfsup_model.pydocs import harvest
+from selfsup_model.corpus.pydocs import harvest
 
 # 25 bands x 5 rows: P(candidate | J = 0.8) = 1 - (1 - 0.8**5)**25 > 0.9999.
 PROBE_BANDS_ROWS = (25, 5)

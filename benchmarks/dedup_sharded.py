@@ -37,8 +37,8 @@ from output import run_cli
 
 from flows.executors import Sharding, open_fan_out, prefect_api_url
 from selfsup_model.config import DedupConfig
-from selfsup_model.dedup import find_duplicates
-from selfsup_model.sharding import ParquetTexts
+from selfsup_model.corpus.dedup import find_duplicates
+from selfsup_model.corpus.sharding import ParquetTexts
 
 
 def log(msg: str) -> None:

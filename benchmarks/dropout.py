@@ -31,7 +31,7 @@ SHAPES = {"probabilities (32, 4, 128, 128)": (32, 4, 128, 128),
 def site(kind: str, jit: bool):
     import tensorflow as tf
 
-    from selfsup_model.layers import FastDropout
+    from selfsup_model.nn.layers import FastDropout
 
     layer = {"none": None, "keras": keras.layers.Dropout(0.1, seed=1),
              "ours": FastDropout(0.1, seed=1)}[kind]

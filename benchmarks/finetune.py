@@ -19,10 +19,10 @@ import statistics
 import sys
 from pathlib import Path
 
-from selfsup_model.finetuning import StageTrainers, train_classifier
+from selfsup_model.nn.saving import load_keras_model
 from selfsup_model.presets import build_config
-from selfsup_model.saving import load_keras_model
-from selfsup_model.transfer import label_subsets, load_labelled
+from selfsup_model.transfer.finetuning import StageTrainers, train_classifier
+from selfsup_model.transfer.protocol import label_subsets, load_labelled
 
 SETTINGS = ("off", "on")
 

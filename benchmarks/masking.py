@@ -27,8 +27,8 @@ import numpy as np
 from synthetic import synthetic_windows
 
 from selfsup_model.config import MaskingConfig
-from selfsup_model.masking import mask_counts, mask_tokens
-from selfsup_model.specials import PAD_ID
+from selfsup_model.text.masking import mask_counts, mask_tokens
+from selfsup_model.text.specials import PAD_ID
 
 TARGET_TOKENS_PER_S = 20e6
 

@@ -26,11 +26,11 @@ import keras
 import numpy as np
 from bucketing import timed_rounds
 
-from selfsup_model.model import build_backbone, build_pretraining_model
+from selfsup_model.nn.model import build_backbone, build_pretraining_model
 from selfsup_model.presets import build_config
-from selfsup_model.pretrain_data import _PAIR_STREAM, PretrainBatches
-from selfsup_model.pretraining import build_optimizer
-from selfsup_model.tokenization import load_tokenizer
+from selfsup_model.pretraining.batches import _PAIR_STREAM, PretrainBatches
+from selfsup_model.pretraining.loop import build_optimizer
+from selfsup_model.text.tokenization import load_tokenizer
 
 
 class PartnersPerBatch(PretrainBatches):

@@ -20,9 +20,9 @@ import numpy as np
 import pandas as pd
 
 from selfsup_model.config import IngestConfig
-from selfsup_model.inference import load_run_classifier, softmax
-from selfsup_model.ingest import RawRecord
-from selfsup_model.scoring import judge_inputs, score
+from selfsup_model.corpus.ingest import RawRecord
+from selfsup_model.serving.inference import load_run_classifier, softmax
+from selfsup_model.serving.scoring import judge_inputs, score
 
 
 def main() -> None:

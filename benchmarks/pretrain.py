@@ -61,7 +61,7 @@ from synthetic import padding_share, synthetic_windows
 
 from selfsup_model.config import MaskingConfig, ModelConfig, PretrainConfig
 from selfsup_model.presets import build_config
-from selfsup_model.specials import PAD_ID
+from selfsup_model.text.specials import PAD_ID
 
 REFERENCE = {"hidden": 256, "layers": 4, "ff": 1024, "vocab": 8192, "seq": 128,  # heads = 4
              "batch": 32}
@@ -112,7 +112,7 @@ def time_data(data, steps: int) -> float:
 
 def bucket_setting(args, spec: dict) -> int | None:
     """The length_buckets to pass, or None where the data path has no such argument."""
-    from selfsup_model.pretrain_data import PretrainBatches
+    from selfsup_model.pretraining.batches import PretrainBatches
 
     if "length_buckets" not in inspect.signature(PretrainBatches).parameters:
         if args.length_buckets not in (None, 1):
@@ -125,7 +125,7 @@ def bucket_setting(args, spec: dict) -> int | None:
 
 
 def make_batches(spec: dict, windows, total: int, buckets: int | None, packing: bool = False):
-    from selfsup_model.pretrain_data import PretrainBatches
+    from selfsup_model.pretraining.batches import PretrainBatches
 
     extra = {} if buckets is None else {"length_buckets": buckets}
     if packing:  # several windows to a row, one shape (no buckets)
@@ -154,11 +154,11 @@ def build_ours(spec: dict, args, total: int, dropout_draws: str = "hash", jit: s
     data_packed = args.packing if packed is None else packed
     import keras
 
-    from selfsup_model import layers as our_layers
-    from selfsup_model import model as our_model
-    from selfsup_model.devices import resolve_jit, resolve_precision
-    from selfsup_model.model import build_backbone, build_pretraining_model
-    from selfsup_model.pretraining import build_optimizer
+    from selfsup_model.nn import layers as our_layers
+    from selfsup_model.nn import model as our_model
+    from selfsup_model.nn.model import build_backbone, build_pretraining_model
+    from selfsup_model.pretraining.devices import resolve_jit, resolve_precision
+    from selfsup_model.pretraining.loop import build_optimizer
 
     jit = args.jit if jit is None else jit
     model_cfg = ModelConfig(hidden=spec["hidden"], layers=spec["layers"], heads=spec["heads"],
@@ -220,7 +220,7 @@ def fit_source(data, steps: list[int]):
             return data.batch_for_step(steps[i])
 
     try:
-        from selfsup_model.pretrain_data import fit_input
+        from selfsup_model.pretraining.batches import fit_input
     except ImportError:  # the data path before length buckets
         return Steps()
     return fit_input(Steps())
@@ -302,13 +302,13 @@ def bench_size(spec: dict, args) -> dict:
 def validation_loss(model, spec: dict, train_windows) -> dict:
     """Token-weighted MLM loss on held-out windows (other seed, same generator), static masks,
     beside the unigram baseline of the training windows."""
-    from selfsup_model.evaluation import (
+    from selfsup_model.nn.model import build_pretrain_export_model
+    from selfsup_model.pretraining.evaluation import (
         unigram_log_probs,
         validation_metrics,
         validation_unigram_loss,
     )
-    from selfsup_model.masking import make_static_masks
-    from selfsup_model.model import build_pretrain_export_model
+    from selfsup_model.text.masking import make_static_masks
 
     held_out = synthetic_windows(np.random.default_rng(1), 2 * spec["batch"], spec["seq"],
                                  spec["vocab"], structured=True)

@@ -23,11 +23,11 @@ import numpy as np
 import pandas as pd
 
 from selfsup_model.config import EncodeConfig, MaskingConfig, ModelConfig, PretrainConfig
-from selfsup_model.encoding import encode_split
-from selfsup_model.masking import make_static_masks
-from selfsup_model.pretraining import pretrain
-from selfsup_model.splitting import documents_in_split
-from selfsup_model.tokenization import load_tokenizer
+from selfsup_model.corpus.splitting import documents_in_split
+from selfsup_model.pretraining.loop import pretrain
+from selfsup_model.text.encoding import encode_split
+from selfsup_model.text.masking import make_static_masks
+from selfsup_model.text.tokenization import load_tokenizer
 
 DEMO_MODEL = {"hidden": 128, "layers": 2, "heads": 4, "ff": 512}
 BASE = {"norm": "post", "dropout": 0.1, "decay": "cosine", "lr": 1e-3, "len": 128, "batch": 32,

@@ -28,13 +28,13 @@ from pathlib import Path
 import keras
 import numpy as np
 
-from selfsup_model.classify import encoder_inputs
-from selfsup_model.metrics import macro_f1
+from selfsup_model.nn.saving import load_keras_model
 from selfsup_model.presets import build_config
-from selfsup_model.saving import load_keras_model
-from selfsup_model.specials import SPECIAL_TOKENS
-from selfsup_model.transfer import SPLITS, features_probe, label_subsets, load_labelled
-from selfsup_model.windows import mean_over_documents
+from selfsup_model.report.metrics import macro_f1
+from selfsup_model.text.specials import SPECIAL_TOKENS
+from selfsup_model.text.windows import mean_over_documents
+from selfsup_model.transfer.classify import encoder_inputs
+from selfsup_model.transfer.protocol import SPLITS, features_probe, label_subsets, load_labelled
 
 SIF_A = 1e-3
 

@@ -37,8 +37,8 @@ from sklearn.feature_extraction.text import CountVectorizer
 from templated import templated_corpus
 
 from selfsup_model.config import DedupConfig, SplitConfig
-from selfsup_model.dedup import find_duplicates
-from selfsup_model.splitting import assign_splits
+from selfsup_model.corpus.dedup import find_duplicates
+from selfsup_model.corpus.splitting import assign_splits
 
 _QUERY_CHUNK = 128  # val/test rows per sparse product: bounds the (rows, n_train) block
 

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from selfsup_model.specials import CLS_ID, NUM_SPECIAL, PAD_ID, SEP_ID
+from selfsup_model.text.specials import CLS_ID, NUM_SPECIAL, PAD_ID, SEP_ID
 
 # Document lengths in content tokens ~ lognormal(4.3, 1.2), cut like the encode stage (overlap
 # max_len // 4, at most 8 windows a document). Fitted to the demo corpus's training split:

@@ -25,9 +25,9 @@ from sklearn.feature_extraction.text import TfidfVectorizer
 from sklearn.linear_model import LogisticRegression
 from sklearn.multiclass import OneVsRestClassifier
 
-from selfsup_model.metrics import macro_f1
 from selfsup_model.presets import build_config
-from selfsup_model.transfer import label_subsets, load_labelled
+from selfsup_model.report.metrics import macro_f1
+from selfsup_model.transfer.protocol import label_subsets, load_labelled
 
 CANDIDATES = {
     "lbfgs": lambda c: LogisticRegression(C=c, max_iter=2000),

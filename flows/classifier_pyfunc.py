@@ -2,7 +2,7 @@
 
 MLflow runs this file when it loads the model (nothing of ours is pickled). Its
 artifacts are the bundle the finetune stage wrote (see
-`selfsup_model.inference`): classifier.keras, tokenizer.json, classifier.json.
+`selfsup_model.serving.inference`): classifier.keras, tokenizer.json, classifier.json.
 Loading checks their sha256 against classifier.json and opens the Keras file
 with `safe_mode=True`.
 
@@ -19,8 +19,8 @@ import mlflow
 import pandas as pd
 from mlflow.pyfunc import PythonModel
 
-from selfsup_model.inference import SPEC_FILE, ClassifierBundle
-from selfsup_model.scoring import prediction_frame
+from selfsup_model.serving.inference import SPEC_FILE, ClassifierBundle
+from selfsup_model.serving.scoring import prediction_frame
 
 
 class SelfsupClassifier(PythonModel):

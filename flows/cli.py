@@ -136,7 +136,7 @@ def _settings(args: argparse.Namespace):
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from selfsup_model.ingest import check_corpus
+    from selfsup_model.corpus.ingest import check_corpus
     from tasks.registry import STAGE_NAMES, select_stages
 
     # Everything a user can get wrong is checked here, in well under a second, before
@@ -239,7 +239,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _cmd_predict(args: argparse.Namespace) -> int:
-    from selfsup_model.scoring import check_output_path
+    from selfsup_model.serving.scoring import check_output_path
 
     if args.batch_size < 1:
         raise UserError(f"--batch-size must be at least 1 (got {args.batch_size})")
@@ -250,7 +250,7 @@ def _cmd_predict(args: argparse.Namespace) -> int:
         import keras  # noqa: F401
 
         from flows.predict import run_predict
-        from selfsup_model.scoring import format_table, write_predictions
+        from selfsup_model.serving.scoring import format_table, write_predictions
     lines = sys.stdin.buffer if args.input == "-" else None
     outcome = run_predict(args.workdir, args.input, args.out, text_column=args.text_column,
                           id_column=args.id_column, batch_size=args.batch_size, lines=lines)
@@ -267,9 +267,9 @@ def _cmd_predict(args: argparse.Namespace) -> int:
 def _pretrained_model(workdir: str):
     """The run's pretrain_model.keras and tokenizer, both verified against their manifests."""
     with _native_startup_logs_held():
-        from selfsup_model.inference import verified_outputs
-        from selfsup_model.saving import load_keras_model
-        from selfsup_model.tokenization import load_tokenizer
+        from selfsup_model.nn.saving import load_keras_model
+        from selfsup_model.serving.inference import verified_outputs
+        from selfsup_model.text.tokenization import load_tokenizer
     model_path = verified_outputs(workdir, "pretrain", ["pretrain_model.keras"],
                                   "pretrained model")[0]
     tok_path = verified_outputs(workdir, "tokenizer", ["tokenizer.json"], "tokenizer")[0]
@@ -289,7 +289,7 @@ def _cmd_fill_mask(args: argparse.Namespace) -> int:
     if args.top_k < 1:
         raise UserError(f"--top-k must be at least 1 (got {args.top_k})")
     model, tokenizer = _pretrained_model(args.workdir)
-    from selfsup_model.generation import fill_mask
+    from selfsup_model.serving.generation import fill_mask
 
     for n, candidates in enumerate(fill_mask(model, tokenizer, args.text, args.top_k), 1):
         shown = "  ".join(f"{tokenizer.decode([c.token_id]) or c.token} {c.probability:.3f}"
@@ -300,7 +300,7 @@ def _cmd_fill_mask(args: argparse.Namespace) -> int:
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     model, tokenizer = _pretrained_model(args.workdir)
-    from selfsup_model.generation import generate
+    from selfsup_model.serving.generation import generate
 
     result = generate(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature,
                       args.top_k, args.seed)

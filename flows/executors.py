@@ -1,7 +1,7 @@
 """Where a run's shard tasks execute: here, a thread pool, or Dask - never part of any output.
 
 Sharded stages (`tasks.dedup`, ...) describe their per-document work as shard
-functions and hand them to a `Mapper` (`selfsup_model.sharding`). This module
+functions and hand them to a `Mapper` (`selfsup_model.corpus.sharding`). This module
 turns the run's executor choice into one:
 
 - ``local`` (the default): shards run in this process, one after another, with
@@ -27,8 +27,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
+from selfsup_model.corpus.sharding import FanOut, InProcess, Mapper, Progress
 from selfsup_model.errors import UserError
-from selfsup_model.sharding import FanOut, InProcess, Mapper, Progress
 
 log = logging.getLogger("selfsup.executors")
 T = TypeVar("T")

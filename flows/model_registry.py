@@ -24,7 +24,7 @@ from mlflow.tracking import MlflowClient
 from mlflow.types import ColSpec, Schema
 
 import selfsup_model
-from selfsup_model.inference import BUNDLE_FILES, read_spec
+from selfsup_model.serving.inference import BUNDLE_FILES, read_spec
 
 log = logging.getLogger("selfsup.tracking")
 

@@ -15,10 +15,10 @@ from flows.predict import label_counts_markdown, run_predict
 from flows.settings import RunSettings, changed_keys, read_settings, write_settings
 from flows.tracking import PipelineTracking, Tracker, default_tracking_uri, flatten
 from selfsup_model.config import DEFAULT_WORKDIR, CorpusFormat, PipelineConfig
-from selfsup_model.devices import join_processes, process_index
 from selfsup_model.errors import UserError
 from selfsup_model.presets import build_config, deep_merge, parse_override, validate_config
-from selfsup_model.scoring import write_predictions
+from selfsup_model.pretraining.devices import join_processes, process_index
+from selfsup_model.serving.scoring import write_predictions
 from tasks import joined
 from tasks.registry import STAGE_NAMES, select_stages, stage_tasks, stages_shaped_by
 from tasks.stage import RunContext, StageResult

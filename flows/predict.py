@@ -15,8 +15,8 @@ import pandas as pd
 from flows.settings import read_settings
 from selfsup_model.config import IngestConfig
 from selfsup_model.errors import UserError
-from selfsup_model.inference import load_run_classifier
-from selfsup_model.scoring import check_output_path, read_inputs, score, write_predictions
+from selfsup_model.serving.inference import load_run_classifier
+from selfsup_model.serving.scoring import check_output_path, read_inputs, score, write_predictions
 from tasks.stage import progress_logger
 
 log = logging.getLogger("selfsup.predict")

@@ -8,13 +8,12 @@ from pathlib import Path
 
 import pandas as pd
 
-from selfsup_model.devices import resolve_precision
+from selfsup_model.corpus.splitting import SPLITS
 from selfsup_model.errors import UserError
-from selfsup_model.model import build_backbone
-from selfsup_model.sentence_embeddings import embed_texts, sentence_embedding_status
-from selfsup_model.splitting import SPLITS
-from selfsup_model.tokenization import load_tokenizer
-from selfsup_model.transfer import (
+from selfsup_model.nn.model import build_backbone
+from selfsup_model.pretraining.devices import resolve_precision
+from selfsup_model.text.tokenization import load_tokenizer
+from selfsup_model.transfer.protocol import (
     LabelledData,
     MethodResults,
     NeuralMethod,
@@ -26,6 +25,7 @@ from selfsup_model.transfer import (
     train_neural_methods,
     write_method_results,
 )
+from selfsup_model.transfer.sentence_embeddings import embed_texts, sentence_embedding_status
 from tasks.joined import invite
 from tasks.stage import RunContext, StageOutput, progress_logger
 

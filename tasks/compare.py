@@ -20,9 +20,14 @@ from selfsup_model.artifacts import (
     atomic_write_text,
 )
 from selfsup_model.config import PipelineConfig
-from selfsup_model.effects import effect_sentence, pretraining_effects, seed_spread
-from selfsup_model.report import edge_sentence, grid_edges, recompute_results, write_report
-from selfsup_model.transfer import result_key
+from selfsup_model.report.comparison import (
+    edge_sentence,
+    grid_edges,
+    recompute_results,
+    write_report,
+)
+from selfsup_model.report.effects import effect_sentence, pretraining_effects, seed_spread
+from selfsup_model.transfer.protocol import result_key
 from tasks.baseline import SENTENCE_METHOD
 from tasks.stage import RunContext, StageOutput
 

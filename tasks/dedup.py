@@ -8,8 +8,8 @@ from pathlib import Path
 import pandas as pd
 
 from selfsup_model.artifacts import atomic_save_npy, atomic_write_parquet
-from selfsup_model.dedup import find_duplicates
-from selfsup_model.sharding import InMemoryTexts, ParquetTexts
+from selfsup_model.corpus.dedup import find_duplicates
+from selfsup_model.corpus.sharding import InMemoryTexts, ParquetTexts
 from tasks.stage import RunContext, StageOutput, progress_logger
 
 log = logging.getLogger("selfsup.dedup")

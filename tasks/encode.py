@@ -11,9 +11,9 @@ import numpy as np
 import pandas as pd
 
 from selfsup_model.artifacts import atomic_write_parquet
-from selfsup_model.encoding import EncodedSplit, encode_shard, merge_encoded, write_encoded
-from selfsup_model.sharding import InMemoryTexts, Mapper, ParquetTexts, shard_bounds
-from selfsup_model.splitting import SPLITS, documents_in_split
+from selfsup_model.corpus.sharding import InMemoryTexts, Mapper, ParquetTexts, shard_bounds
+from selfsup_model.corpus.splitting import SPLITS, documents_in_split
+from selfsup_model.text.encoding import EncodedSplit, encode_shard, merge_encoded, write_encoded
 from tasks.stage import RunContext, StageOutput
 
 

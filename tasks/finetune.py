@@ -8,15 +8,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 from selfsup_model.config import FinetuneConfig
-from selfsup_model.inference import (
+from selfsup_model.nn.saving import load_keras_model
+from selfsup_model.serving.inference import (
     KeptCandidate,
     choose_kept,
     probe_classifier,
     write_bundle,
     write_no_classifier,
 )
-from selfsup_model.saving import load_keras_model
-from selfsup_model.transfer import (
+from selfsup_model.transfer.protocol import (
     MethodResults,
     NeuralMethod,
     frozen_probe,

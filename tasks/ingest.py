@@ -9,7 +9,7 @@ import logging
 from pathlib import Path
 
 from selfsup_model.artifacts import atomic_write_parquet
-from selfsup_model.ingest import ingest_corpus
+from selfsup_model.corpus.ingest import ingest_corpus
 from tasks.stage import RunContext, StageOutput, progress_logger
 
 log = logging.getLogger("selfsup.ingest")

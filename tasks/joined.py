@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 import logging
 
-from selfsup_model.devices import broadcast_int, process_count, process_index
+from selfsup_model.pretraining.devices import broadcast_int, process_count, process_index
 from tasks.stage import RunContext
 
 log = logging.getLogger("selfsup.joined")

@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 
 from selfsup_model.errors import CorpusError
-from selfsup_model.masking import make_static_masks, mask_counts, save_masks
-from selfsup_model.tokenization import load_tokenizer
+from selfsup_model.text.masking import make_static_masks, mask_counts, save_masks
+from selfsup_model.text.tokenization import load_tokenizer
 from tasks.stage import RunContext, StageOutput
 
 

@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 
 from selfsup_model.artifacts import sha256_file
-from selfsup_model.continued import resolve_init_source
-from selfsup_model.masking import load_masks
-from selfsup_model.pretraining import pretrain
-from selfsup_model.tokenization import load_tokenizer
+from selfsup_model.pretraining.continued import resolve_init_source
+from selfsup_model.pretraining.loop import pretrain
+from selfsup_model.text.masking import load_masks
+from selfsup_model.text.tokenization import load_tokenizer
 from tasks.joined import invite
 from tasks.registry import PIPELINE
 from tasks.stage import RunContext, StageOutput, code_version

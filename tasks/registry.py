@@ -23,7 +23,7 @@ LABELLED_INPUTS = tuple(f"encode/{split}_{suffix}" for split in SPLITS
 
 
 def _corpus_fingerprint(ctx: RunContext) -> dict[str, Any]:
-    from selfsup_model.ingest import corpus_fingerprint
+    from selfsup_model.corpus.ingest import corpus_fingerprint
 
     return {"corpus": corpus_fingerprint(ctx.corpus, ctx.corpus_format, ctx.config.ingest)}
 
@@ -32,7 +32,7 @@ def _init_source(ctx: RunContext, artifact: str) -> dict[str, Any]:
     """The continued-pretraining source's file this stage depends on (nothing when unset)."""
     if not ctx.config.pretrain.init_from:
         return {}
-    from selfsup_model.continued import resolve_init_source
+    from selfsup_model.pretraining.continued import resolve_init_source
 
     source = resolve_init_source(ctx.config.pretrain.init_from)
     return {"init_from_sha256": getattr(source, f"{artifact}_sha256")}
@@ -44,8 +44,8 @@ def _tokenizer_extras(ctx: RunContext) -> dict[str, Any]:
     recorded inputs and the check's settings (nothing when unset)."""
     if not ctx.config.pretrain.init_from:
         return {}
-    from selfsup_model.continued import resolve_init_source
-    from selfsup_model.source_audit import lineage_hashes
+    from selfsup_model.pretraining.continued import resolve_init_source
+    from selfsup_model.pretraining.source_audit import lineage_hashes
 
     source = resolve_init_source(ctx.config.pretrain.init_from)
     split, dedup = ctx.config.split, ctx.config.dedup

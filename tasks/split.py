@@ -9,8 +9,8 @@ import numpy as np
 import pandas as pd
 
 from selfsup_model.artifacts import atomic_write_json, atomic_write_parquet
+from selfsup_model.corpus.splitting import assign_splits
 from selfsup_model.errors import ArtifactError
-from selfsup_model.splitting import assign_splits
 from tasks.stage import RunContext, StageOutput, progress_logger
 
 log = logging.getLogger("selfsup.split")

@@ -30,8 +30,8 @@ from selfsup_model.artifacts import (
     verify_outputs,
 )
 from selfsup_model.config import PipelineConfig
+from selfsup_model.corpus.sharding import FanOut, InProcess
 from selfsup_model.errors import ArtifactError
-from selfsup_model.sharding import FanOut, InProcess
 
 log = logging.getLogger("selfsup.stage")
 IN_PROCESS = InProcess()

@@ -10,9 +10,9 @@ from pathlib import Path
 import pandas as pd
 
 from selfsup_model.artifacts import atomic_write_bytes, atomic_write_json
-from selfsup_model.continued import InitSource, resolve_init_source
-from selfsup_model.splitting import documents_in_split
-from selfsup_model.tokenization import (
+from selfsup_model.corpus.splitting import documents_in_split
+from selfsup_model.pretraining.continued import InitSource, resolve_init_source
+from selfsup_model.text.tokenization import (
     fit_tokenizer,
     load_tokenizer,
     save_tokenizer,
@@ -26,7 +26,7 @@ log = logging.getLogger("selfsup.tokenizer")
 def _check_source(ctx: RunContext, source: InitSource, docs: pd.DataFrame,
                   assign: pd.DataFrame, out: Path) -> dict:
     """The continued-pretraining leak check (`source_audit`), written to source_audit.json."""
-    from selfsup_model.source_audit import seen_documents, source_leak_audit
+    from selfsup_model.pretraining.source_audit import seen_documents, source_leak_audit
 
     seen = seen_documents(source.workdir)
     mine = docs.merge(assign, on="id", how="inner", validate="one_to_one")

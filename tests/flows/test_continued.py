@@ -11,10 +11,10 @@ import pytest
 
 from flows.pipeline import run_pipeline
 from selfsup_model.artifacts import StageManifest
-from selfsup_model.continued import check_compatible, lineage, resolve_init_source
 from selfsup_model.errors import ArtifactError, UserError
+from selfsup_model.nn.saving import load_keras_model
 from selfsup_model.presets import build_config
-from selfsup_model.saving import load_keras_model
+from selfsup_model.pretraining.continued import check_compatible, lineage, resolve_init_source
 
 # Another corpus than the tiny run's (email, xml, unittest): other standard-library docstrings.
 OTHER = ["ingest.pydocs_libraries=[json, logging, http]"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from selfsup_model import devices
+from selfsup_model.pretraining import devices
 from tasks import baseline, finetune, joined, pretrain
 
 

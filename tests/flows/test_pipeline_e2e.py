@@ -12,9 +12,9 @@ from mlflow.tracking import MlflowClient
 from flows.pipeline import run_pipeline
 from flows.summary import collect_report
 from selfsup_model.artifacts import read_manifest, sha256_file
-from selfsup_model.masking import load_masks
 from selfsup_model.presets import build_config
-from selfsup_model.specials import PAD_ID
+from selfsup_model.text.masking import load_masks
+from selfsup_model.text.specials import PAD_ID
 
 DETERMINISTIC = [
     "ingest/documents.parquet", "ingest/rejects.parquet", "dedup/clusters.parquet",
@@ -119,8 +119,8 @@ def test_mlflow_has_one_parent_and_a_child_per_stage(tiny_run):
 
 
 def test_report_is_recomputable_and_lists_every_method(tiny_run):
-    from selfsup_model.report import recompute_results
-    from selfsup_model.sentence_embeddings import sentence_embedding_status
+    from selfsup_model.report.comparison import recompute_results
+    from selfsup_model.transfer.sentence_embeddings import sentence_embedding_status
 
     wd, _, _ = tiny_run
     report = json.loads((wd / "compare" / "report.json").read_text())
@@ -175,8 +175,8 @@ def test_every_neural_method_had_the_same_search_and_budget(tiny_run):
 
 
 def test_pretraining_reads_only_the_training_split_and_its_loss_is_recomputable(tiny_run):
-    from selfsup_model.evaluation import evaluate_masked_lm
-    from selfsup_model.saving import load_keras_model
+    from selfsup_model.nn.saving import load_keras_model
+    from selfsup_model.pretraining.evaluation import evaluate_masked_lm
 
     wd, _, _ = tiny_run
     manifest = read_manifest(wd / "pretrain")

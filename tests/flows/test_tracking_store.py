@@ -87,7 +87,7 @@ def test_pydocs_workers_are_not_forked_from_the_caller():
         "import os\n"
         "forks = []\n"
         "os.register_at_fork(before=lambda: forks.append(1))\n"
-        "from selfsup_model.pydocs import harvest\n"
+        "from selfsup_model.corpus.pydocs import harvest\n"
         "frame = harvest(['email', 'xml', 'unittest'], workers=2, max_per_library=5)\n"
         "assert len(frame) == 15, len(frame)\n"
         "print(len(forks))\n"

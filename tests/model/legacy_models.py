@@ -2,7 +2,7 @@
 
 import keras
 
-from selfsup_model.layers import FastDropout
+from selfsup_model.nn.layers import FastDropout
 
 
 def with_plain_keras_dropout(model: keras.Model) -> keras.Model:

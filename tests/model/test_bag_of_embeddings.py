@@ -5,19 +5,19 @@ import keras
 import numpy as np
 import pytest
 
-import selfsup_model.bag_of_embeddings as bag_module
-from selfsup_model.bag_of_embeddings import (
+import selfsup_model.transfer.bag_of_embeddings as bag_module
+from selfsup_model.config import BaselineConfig, FinetuneConfig
+from selfsup_model.errors import UserError
+from selfsup_model.report.metrics import accuracy
+from selfsup_model.text.specials import CLS_ID, PAD_ID, SEP_ID
+from selfsup_model.transfer.bag_of_embeddings import (
     BagTokenEmbedding,
     bag_of_embeddings_factory,
     build_bag_of_embeddings,
 )
-from selfsup_model.classify import build_classifier, predict_classes
-from selfsup_model.config import BaselineConfig, FinetuneConfig
-from selfsup_model.errors import UserError
-from selfsup_model.finetuning import train_classifier
-from selfsup_model.metrics import accuracy
-from selfsup_model.specials import CLS_ID, PAD_ID, SEP_ID
-from selfsup_model.transfer import scratch_baselines
+from selfsup_model.transfer.classify import build_classifier, predict_classes
+from selfsup_model.transfer.finetuning import train_classifier
+from selfsup_model.transfer.protocol import scratch_baselines
 from tests.model.toy import make_docs
 
 VOCAB, MAX_LEN, DIM = 20, 8, 8

@@ -3,10 +3,10 @@ import pytest
 from sklearn.feature_extraction.text import TfidfVectorizer
 from sklearn.linear_model import LogisticRegression
 
-from selfsup_model.baselines import logreg_on_features, majority_class, tfidf_logreg
 from selfsup_model.config import BaselineConfig
 from selfsup_model.errors import UserError
-from selfsup_model.metrics import accuracy, macro_f1
+from selfsup_model.report.metrics import accuracy, macro_f1
+from selfsup_model.transfer.baselines import logreg_on_features, majority_class, tfidf_logreg
 
 FILLER = ["alpha", "beta", "gamma", "delta", "omega", "sigma"]
 

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from selfsup_model.config import MaskingConfig, ModelConfig
-from selfsup_model.losses import token_weighted_loss
-from selfsup_model.model import build_backbone, build_pretraining_model
-from selfsup_model.pretrain_data import PretrainBatches, bucket_lengths, real_lengths
-from selfsup_model.specials import CLS_ID, NUM_SPECIAL, PAD_ID, SEP_ID
-from selfsup_model.windows import causal_lm_batch
+from selfsup_model.nn.losses import token_weighted_loss
+from selfsup_model.nn.model import build_backbone, build_pretraining_model
+from selfsup_model.pretraining.batches import PretrainBatches, bucket_lengths, real_lengths
+from selfsup_model.text.specials import CLS_ID, NUM_SPECIAL, PAD_ID, SEP_ID
+from selfsup_model.text.windows import causal_lm_batch
 
 V, L = 40, 24
 MASKS = MaskingConfig(max_predictions=5, select_rate=0.3)
@@ -126,7 +126,7 @@ def test_every_shape_is_in_the_small_fixed_set_and_holds_its_windows(objective):
 def legacy_batch(windows, step: int, size: int, seed: int):
     """The unbucketed rule, written out: stream positions [s*B, (s+1)*B) over passes, pass p in
     the order of permutation (seed, 0, p), corruption from (seed, 1, s)."""
-    from selfsup_model.masking import mask_tokens
+    from selfsup_model.text.masking import mask_tokens
 
     stream = step * size + np.arange(size)
     passes, offsets = np.divmod(stream, len(windows))

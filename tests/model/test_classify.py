@@ -4,7 +4,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from selfsup_model.classify import (
+from selfsup_model.config import ModelConfig
+from selfsup_model.errors import UserError
+from selfsup_model.nn.model import build_backbone, with_dropout
+from selfsup_model.text.specials import BOS_ID, CLS_ID, EOS_ID, PAD_ID, SEP_ID
+from selfsup_model.transfer.classify import (
     ClsPooling,
     LastTokenPooling,
     MaskedMeanPooling,
@@ -15,10 +19,6 @@ from selfsup_model.classify import (
     predict_in_batches,
     stratified_subset,
 )
-from selfsup_model.config import ModelConfig
-from selfsup_model.errors import UserError
-from selfsup_model.model import build_backbone, with_dropout
-from selfsup_model.specials import BOS_ID, CLS_ID, EOS_ID, PAD_ID, SEP_ID
 from tests.model.toy import make_docs
 
 VOCAB, MAX_LEN, HIDDEN = 20, 8, 8

@@ -11,10 +11,10 @@ import pytest
 
 from selfsup_model.config import MaskingConfig, ModelConfig, PretrainConfig
 from selfsup_model.errors import UserError
-from selfsup_model.losses import paired_info_nce, token_weighted_loss
-from selfsup_model.model import PretrainingModel, build_backbone, build_pretraining_model
-from selfsup_model.pretrain_data import PretrainBatches
-from selfsup_model.specials import CLS_ID, NUM_SPECIAL, PAD_ID, SEP_ID
+from selfsup_model.nn.losses import paired_info_nce, token_weighted_loss
+from selfsup_model.nn.model import PretrainingModel, build_backbone, build_pretraining_model
+from selfsup_model.pretraining.batches import PretrainBatches
+from selfsup_model.text.specials import CLS_ID, NUM_SPECIAL, PAD_ID, SEP_ID
 
 V, L = 40, 16
 MASKS = MaskingConfig(max_predictions=4, select_rate=0.3)
@@ -171,8 +171,8 @@ def test_a_paired_model_trains_logs_its_term_and_round_trips(tmp_path):
 
 
 def test_pretraining_with_the_term_logs_it_beside_the_objective_loss(tmp_path):
-    from selfsup_model.masking import make_static_masks
-    from selfsup_model.pretraining import pretrain
+    from selfsup_model.pretraining.loop import pretrain
+    from selfsup_model.text.masking import make_static_masks
 
     cfg = PretrainConfig(batch_size=8, steps=8, learning_rate=1e-2, warmup_steps=2, log_every=4,
                          eval_every=8, checkpoint_every=8, contrastive_weight=0.2)

@@ -31,8 +31,8 @@ _PRETRAIN_SETUP = textwrap.dedent("""
     import json, logging, os, sys, tempfile
     import numpy as np
     from selfsup_model.config import MaskingConfig, ModelConfig, PretrainConfig
-    from selfsup_model.masking import make_static_masks
-    from selfsup_model.pretraining import pretrain
+    from selfsup_model.text.masking import make_static_masks
+    from selfsup_model.pretraining.loop import pretrain
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     rng = np.random.default_rng(0)
@@ -46,7 +46,7 @@ _PRETRAIN_SETUP = textwrap.dedent("""
 """)
 
 _CHILD = _PRETRAIN_SETUP.replace("DROPOUT", "0.0") + textwrap.dedent("""
-    from selfsup_model.devices import data_parallel
+    from selfsup_model.pretraining.devices import data_parallel
     from selfsup_model.errors import UserError
 
     out = {}
@@ -89,10 +89,10 @@ _FINETUNE_SETUP = textwrap.dedent("""
     import keras
     import numpy as np
     from selfsup_model.config import FinetuneConfig, ModelConfig
-    from selfsup_model.model import build_backbone
-    from selfsup_model.transfer import (LabelledData, LabelledSplit, NeuralMethod, frozen_probe,
-                                        train_neural_methods)
-    from selfsup_model.devices import join_processes
+    from selfsup_model.nn.model import build_backbone
+    from selfsup_model.transfer.protocol import (LabelledData, LabelledSplit, NeuralMethod,
+                                                 frozen_probe, train_neural_methods)
+    from selfsup_model.pretraining.devices import join_processes
     from tests.model.toy import make_docs
 
     join_processes()  # several processes (the launch variables) join before any computation

@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from selfsup_model import dedup, lsh, minhash
 from selfsup_model.config import DedupConfig
-from selfsup_model.dedup import find_duplicates
+from selfsup_model.corpus import dedup, lsh, minhash
+from selfsup_model.corpus.dedup import find_duplicates
 from selfsup_model.errors import UserError
 
 WORDS = DedupConfig(shingle="word", shingle_size=1)

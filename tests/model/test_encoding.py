@@ -9,15 +9,15 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from selfsup_model.config import EncodeConfig
-from selfsup_model.encoding import encode_split, write_encoded
-from selfsup_model.specials import (
+from selfsup_model.text.encoding import encode_split, write_encoded
+from selfsup_model.text.specials import (
     CLS_ID,
     NUM_SPECIAL,
     PAD_ID,
     SEP_ID,
     SPECIAL_TOKENS,
 )
-from selfsup_model.windows import first_windows
+from selfsup_model.text.windows import first_windows
 
 
 @pytest.fixture(scope="module")
@@ -160,9 +160,9 @@ def test_write_and_memory_map_round_trip(tok, tmp_path):
 def test_shards_encoded_apart_and_merged_equal_one_pass(tok, tmp_path_factory, lengths, shards):
     """The encode stage's sharding law: whatever the cut, the merge is the one-pass result
     (empty documents included: their indices shift with their shard)."""
-    from selfsup_model.encoding import encode_shard, merge_encoded
-    from selfsup_model.sharding import InMemoryTexts, shard_bounds
-    from selfsup_model.tokenization import save_tokenizer
+    from selfsup_model.corpus.sharding import InMemoryTexts, shard_bounds
+    from selfsup_model.text.encoding import encode_shard, merge_encoded
+    from selfsup_model.text.tokenization import save_tokenizer
 
     cfg = EncodeConfig(max_len=16, overlap=2, max_windows_per_doc=3, batch_size=4)
     texts = [doc(k, n) for k, n in enumerate(lengths)]

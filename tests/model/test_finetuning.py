@@ -11,12 +11,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from selfsup_model.classify import build_classifier, is_causal, predict_classes
 from selfsup_model.config import FinetuneConfig, ModelConfig
-from selfsup_model.devices import gpu_available
 from selfsup_model.errors import UserError
-from selfsup_model.features import frozen_features
-from selfsup_model.finetuning import (
+from selfsup_model.nn.model import build_backbone
+from selfsup_model.pretraining.devices import gpu_available
+from selfsup_model.report.metrics import macro_f1
+from selfsup_model.text.specials import BOS_ID, CLS_ID, PAD_ID, SEP_ID
+from selfsup_model.text.windows import first_windows
+from selfsup_model.transfer.classify import build_classifier, is_causal, predict_classes
+from selfsup_model.transfer.features import frozen_features
+from selfsup_model.transfer.finetuning import (
     ClassifierRun,
     Stage,
     StageTrainers,
@@ -25,10 +29,7 @@ from selfsup_model.finetuning import (
     train_classifier,
     update_budget,
 )
-from selfsup_model.metrics import macro_f1
-from selfsup_model.model import build_backbone
-from selfsup_model.specials import BOS_ID, CLS_ID, PAD_ID, SEP_ID
-from selfsup_model.transfer import (
+from selfsup_model.transfer.protocol import (
     EncodedWindows,
     LabelledData,
     LabelledSplit,
@@ -36,7 +37,6 @@ from selfsup_model.transfer import (
     features_probe,
     train_neural_methods,
 )
-from selfsup_model.windows import first_windows
 from tests.model.legacy_models import with_plain_keras_dropout
 from tests.model.toy import make_docs
 
@@ -222,7 +222,7 @@ def test_other_seeds_repeat_the_rate_the_first_seeds_grid_chose(monkeypatch):
         calls.append((seed, learning_rate))
         return Fake(seed, learning_rate)
 
-    monkeypatch.setattr("selfsup_model.transfer.train_classifier", fake_train)
+    monkeypatch.setattr("selfsup_model.transfer.protocol.train_classifier", fake_train)
     cfg = FinetuneConfig(fractions=(1.0,), learning_rates=(1e-4, 1e-3, 1e-2), seeds=(5, 0, 7))
     results, _ = train_neural_methods(_labelled_data(), [NeuralMethod("m", "full", object)], cfg)
     assert calls == [(5, 1e-4), (5, 1e-3), (5, 1e-2), (0, 1e-3), (7, 1e-3)]
@@ -250,7 +250,7 @@ def test_every_neural_method_gets_the_same_grid_budget_and_subsets(monkeypatch):
         calls.append((factory(), mode, len(train[1]), tuple(train[1]), cfg, seed, learning_rate))
         return Fake(learning_rate)
 
-    monkeypatch.setattr("selfsup_model.transfer.train_classifier", fake_train)
+    monkeypatch.setattr("selfsup_model.transfer.protocol.train_classifier", fake_train)
     data = _labelled_data()
     cfg = FinetuneConfig(fractions=(0.25, 1.0), learning_rates=(1e-3, 3e-3), seeds=(0, 1),
                          repeat_seeds_up_to=0.25)
@@ -309,7 +309,7 @@ def test_classifiers_read_every_window_of_their_documents(monkeypatch, read_wind
                      val[1].tolist(), val_owner.tolist()))
         return Fake()
 
-    monkeypatch.setattr("selfsup_model.transfer.train_classifier", fake_train)
+    monkeypatch.setattr("selfsup_model.transfer.protocol.train_classifier", fake_train)
     cfg = FinetuneConfig(fractions=(1.0,), learning_rates=(1e-3,), read_windows=read_windows)
     results, _ = train_neural_methods(data, [NeuralMethod("m", "full", object)], cfg)
     if read_windows == "all":
@@ -340,7 +340,7 @@ def test_the_probe_trains_on_the_rows_of_its_subsets_documents(monkeypatch):
     features = {"train": np.array([[0.0], [2.0], [4.0], [6.0], [8.0], [10.0]], np.float32),
                 "val": np.array([[7.0], [7.0]], np.float32), "test": np.array([[5.0]], np.float32)}
     owner = np.array([0, 0, 1, 2, 2, 2])
-    monkeypatch.setattr("selfsup_model.transfer.label_subsets", lambda data, cfg: iter(
+    monkeypatch.setattr("selfsup_model.transfer.protocol.label_subsets", lambda data, cfg: iter(
         [(0.5, np.array([1, 2])), (1.0, np.array([0, 1, 2]))]))
     seen = []
 
@@ -350,7 +350,7 @@ def test_the_probe_trains_on_the_rows_of_its_subsets_documents(monkeypatch):
         return types.SimpleNamespace(predictions={"test": ["a"]}, val_macro_f1=1.0,
                                      params={"C": 1.0}, fit_time_s=0.0, model=None)
 
-    monkeypatch.setattr("selfsup_model.transfer.logreg_on_features", fake_logreg)
+    monkeypatch.setattr("selfsup_model.transfer.protocol.logreg_on_features", fake_logreg)
     cfg = FinetuneConfig(fractions=(0.5, 1.0))
     results = features_probe("probe", data, features, (1.0,), cfg, standardize=True,
                              owners={"train": owner, "val": np.array([0, 0]),
@@ -477,7 +477,7 @@ def test_validation_scores_only_labels_training_has_for_every_method():
     import pandas as pd
 
     from selfsup_model.config import BaselineConfig
-    from selfsup_model.transfer import text_baselines
+    from selfsup_model.transfer.protocol import text_baselines
 
     ids = {"train": ["d0", "d1", "d2", "d3"], "val": ["v0", "v1", "v2"], "test": ["t0", "t1"]}
     labels = {"train": ["a", "a", "b", "b"], "val": ["a", "b", "z"], "test": ["a", "b"]}
@@ -508,9 +508,9 @@ def test_random_init_is_built_in_the_precision_pretraining_builds_the_encoder_in
     # On a GPU `auto` pretrains in mixed bf16; random_init must not fine-tune in float32 beside
     # it. Forced here with pretrain.mixed_precision=bf16 (what `auto` resolves to on a GPU).
     from selfsup_model.config import TokenizerConfig
-    from selfsup_model.devices import resolve_precision
     from selfsup_model.presets import build_config
-    from selfsup_model.tokenization import fit_tokenizer, load_tokenizer, save_tokenizer
+    from selfsup_model.pretraining.devices import resolve_precision
+    from selfsup_model.text.tokenization import fit_tokenizer, load_tokenizer, save_tokenizer
     from tasks.baseline import _neural_methods
     from tasks.stage import RunContext
 

@@ -13,7 +13,14 @@ from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 from selfsup_model.artifacts import save_keras_atomic
 from selfsup_model.config import ModelConfig, TokenizerConfig
 from selfsup_model.errors import ArtifactError, UserError
-from selfsup_model.generation import (
+from selfsup_model.nn.model import (
+    build_backbone,
+    build_pretrain_export_model,
+    build_pretraining_model,
+    token_embedding_of,
+)
+from selfsup_model.nn.saving import load_keras_model
+from selfsup_model.serving.generation import (
     CachedDecoder,
     choose_next_token,
     fill_mask,
@@ -22,14 +29,7 @@ from selfsup_model.generation import (
     generate,
     next_token_logits_uncached,
 )
-from selfsup_model.model import (
-    build_backbone,
-    build_pretrain_export_model,
-    build_pretraining_model,
-    token_embedding_of,
-)
-from selfsup_model.saving import load_keras_model
-from selfsup_model.specials import (
+from selfsup_model.text.specials import (
     BOS_ID,
     CLS_ID,
     EOS_ID,
@@ -38,7 +38,7 @@ from selfsup_model.specials import (
     SEP_ID,
     SPECIAL_TOKENS,
 )
-from selfsup_model.tokenization import fit_tokenizer
+from selfsup_model.text.tokenization import fit_tokenizer
 
 WORDS = ["the", "cat", "sat", "on", "mat", "dog", "ran", "a", "big"]
 V, L = NUM_SPECIAL + len(WORDS), 10  # 16 tokens, 10 positions

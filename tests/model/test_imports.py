@@ -27,8 +27,8 @@ _CHILD = textwrap.dedent("""
     sys.meta_path.insert(0, Block())
     import numpy as np
     from selfsup_model.config import MaskingConfig, ModelConfig, PretrainConfig
-    from selfsup_model.masking import make_static_masks
-    from selfsup_model.pretraining import pretrain
+    from selfsup_model.text.masking import make_static_masks
+    from selfsup_model.pretraining.loop import pretrain
 
     rng = np.random.default_rng(0)
     windows = rng.integers(7, 40, size=(16, 8)).astype(np.int32)

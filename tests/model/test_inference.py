@@ -11,8 +11,8 @@ from sklearn.linear_model import LogisticRegression
 from selfsup_model.artifacts import atomic_write_json
 from selfsup_model.config import EncodeConfig, IngestConfig, ModelConfig, TokenizerConfig
 from selfsup_model.errors import ArtifactError, UserError
-from selfsup_model.features import frozen_features
-from selfsup_model.inference import (
+from selfsup_model.nn.model import build_backbone
+from selfsup_model.serving.inference import (
     SPEC_FILE,
     ClassifierBundle,
     KeptCandidate,
@@ -23,9 +23,9 @@ from selfsup_model.inference import (
     write_bundle,
     write_no_classifier,
 )
-from selfsup_model.model import build_backbone
-from selfsup_model.scoring import check_output_path, read_inputs, score, write_predictions
-from selfsup_model.tokenization import fit_tokenizer, save_tokenizer
+from selfsup_model.serving.scoring import check_output_path, read_inputs, score, write_predictions
+from selfsup_model.text.tokenization import fit_tokenizer, save_tokenizer
+from selfsup_model.transfer.features import frozen_features
 from tests.model.toy import make_docs
 
 MODEL = ModelConfig(hidden=16, heads=2, ff=32, layers=1, dropout=0.0)

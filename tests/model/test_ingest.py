@@ -6,16 +6,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from selfsup_model.config import IngestConfig
-from selfsup_model.errors import CorpusError
-from selfsup_model.ingest import (
+from selfsup_model.corpus.ingest import (
     REJECT_REASONS,
     RawRecord,
     ingest_corpus,
     ingest_records,
     normalize_document,
 )
-from selfsup_model.pydocs import harvest
-from selfsup_model.sharding import InProcess, local_map
+from selfsup_model.corpus.pydocs import harvest
+from selfsup_model.corpus.sharding import InProcess, local_map
+from selfsup_model.errors import CorpusError
 
 CFG = IngestConfig(min_chars=20)
 

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from keras import ops
 
-from selfsup_model.losses import (
+from selfsup_model.nn.losses import (
     TokenWeightedLoss,
     WeightedLossAccumulator,
     numpy_weighted_ce_sum,

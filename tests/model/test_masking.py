@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from selfsup_model.config import MaskingConfig
 from selfsup_model.errors import UserError
-from selfsup_model.masking import (
+from selfsup_model.text.masking import (
     eligible_mask,
     load_masks,
     make_static_masks,
@@ -19,7 +19,7 @@ from selfsup_model.masking import (
     mask_tokens,
     save_masks,
 )
-from selfsup_model.specials import CLS_ID, MASK_ID, NUM_SPECIAL, PAD_ID, SEP_ID, UNK_ID
+from selfsup_model.text.specials import CLS_ID, MASK_ID, NUM_SPECIAL, PAD_ID, SEP_ID, UNK_ID
 
 VOCAB = 50
 ALL_MASK = {"select_rate": 1.0, "mask_rate": 1.0, "random_rate": 0.0, "keep_rate": 0.0}

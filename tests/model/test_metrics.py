@@ -5,7 +5,7 @@ from hypothesis import strategies as st
 from sklearn.metrics import accuracy_score, confusion_matrix, f1_score
 
 from selfsup_model.errors import UserError
-from selfsup_model.metrics import (
+from selfsup_model.report.metrics import (
     accuracy,
     bootstrap_ci,
     confusion,

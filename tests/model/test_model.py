@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 
 from selfsup_model.config import ModelConfig
-from selfsup_model.layers import (
+from selfsup_model.nn.layers import (
     FastDropout,
     PaddingMask,
     TokenAndPositionEmbedding,
     TransformerEncoderBlock,
     derive_seed,
 )
-from selfsup_model.model import (
+from selfsup_model.nn.model import (
     MaskedLMHead,
     PretrainExportModel,
     PretrainingModel,
@@ -26,7 +26,7 @@ from selfsup_model.model import (
     token_embedding_of,
     with_dropout,
 )
-from selfsup_model.specials import CLS_ID, MASK_ID, PAD_ID, SEP_ID
+from selfsup_model.text.specials import CLS_ID, MASK_ID, PAD_ID, SEP_ID
 from tests.model.legacy_models import with_plain_keras_dropout
 
 V, L = 24, 10

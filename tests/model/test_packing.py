@@ -16,17 +16,17 @@ from hypothesis import strategies as st
 
 from selfsup_model.config import MaskingConfig, PretrainConfig
 from selfsup_model.errors import UserError
-from selfsup_model.layers import DocumentMask, PaddingMask, document_ids, document_positions
-from selfsup_model.model import (
+from selfsup_model.nn.layers import DocumentMask, PaddingMask, document_ids, document_positions
+from selfsup_model.nn.model import (
     build_backbone,
     build_pretraining_model,
     separates_documents,
     with_dropout,
 )
-from selfsup_model.pretrain_data import PretrainBatches, pack_rows
-from selfsup_model.saving import load_keras_model
-from selfsup_model.specials import BOS_ID, CLS_ID, EOS_ID, PAD_ID, SEP_ID
-from selfsup_model.windows import causal_lm_batch
+from selfsup_model.nn.saving import load_keras_model
+from selfsup_model.pretraining.batches import PretrainBatches, pack_rows
+from selfsup_model.text.specials import BOS_ID, CLS_ID, EOS_ID, PAD_ID, SEP_ID
+from selfsup_model.text.windows import causal_lm_batch
 from tests.model.test_bucketing import MASKS, MODEL, L, V, framed, varied
 
 

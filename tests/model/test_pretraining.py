@@ -17,19 +17,23 @@ import numpy as np
 import pytest
 
 from selfsup_model.config import MaskingConfig, ModelConfig, PretrainConfig
-from selfsup_model.devices import resolve_jit, resolve_precision
-from selfsup_model.evaluation import (
+from selfsup_model.nn.model import (
+    build_backbone,
+    build_pretrain_export_model,
+    build_pretraining_model,
+)
+from selfsup_model.nn.optimizers import WarmupDecay
+from selfsup_model.pretraining.batches import PretrainBatches, budget_steps
+from selfsup_model.pretraining.devices import resolve_jit, resolve_precision
+from selfsup_model.pretraining.evaluation import (
     evaluate_causal_lm,
     evaluate_masked_lm,
     unigram_log_probs,
     validation_metrics,
 )
-from selfsup_model.masking import make_static_masks
-from selfsup_model.model import build_backbone, build_pretrain_export_model, build_pretraining_model
-from selfsup_model.optimizers import WarmupDecay
-from selfsup_model.pretrain_data import PretrainBatches, budget_steps
-from selfsup_model.pretraining import build_optimizer, pretrain
-from selfsup_model.specials import CLS_ID, NUM_SPECIAL, PAD_ID, SEP_ID
+from selfsup_model.pretraining.loop import build_optimizer, pretrain
+from selfsup_model.text.masking import make_static_masks
+from selfsup_model.text.specials import CLS_ID, NUM_SPECIAL, PAD_ID, SEP_ID
 
 ROOT = Path(__file__).resolve().parents[2]
 V, L = 30, 12

@@ -5,9 +5,8 @@ import pandas as pd
 import pytest
 from sklearn.metrics import accuracy_score, f1_score
 
-from selfsup_model.effects import effect_sentence, pretraining_effects, seed_spread
 from selfsup_model.errors import UserError
-from selfsup_model.report import (
+from selfsup_model.report.comparison import (
     CONFUSION_PLOT,
     CURVE_PLOT,
     grid_edges,
@@ -16,6 +15,7 @@ from selfsup_model.report import (
     winner_statements,
     write_report,
 )
+from selfsup_model.report.effects import effect_sentence, pretraining_effects, seed_spread
 
 LABELS = np.array(["json", "email", "csv"])
 SKILL = {"tfidf": 0.6, "probe": 0.7, "full": 0.9}  # chance of predicting the true label

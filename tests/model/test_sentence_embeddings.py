@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from selfsup_model.errors import UserError
-from selfsup_model.sentence_embeddings import (
+from selfsup_model.transfer.sentence_embeddings import (
     _MODEL_FILES,
     EMBEDDING_DIM,
     _model_fingerprint,
@@ -29,7 +29,7 @@ def require_extra(monkeypatch):
 
 def test_module_imports_without_keras():
     code = (
-        "import sys; import selfsup_model.sentence_embeddings; "
+        "import sys; import selfsup_model.transfer.sentence_embeddings; "
         "print('keras' in sys.modules, 'tensorflow' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -13,8 +13,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from selfsup_model.config import DedupConfig
-from selfsup_model.dedup import find_duplicates, first_occurrence
-from selfsup_model.sharding import ParquetTexts, pair_chunks, shard_bounds
+from selfsup_model.corpus.dedup import find_duplicates, first_occurrence
+from selfsup_model.corpus.sharding import ParquetTexts, pair_chunks, shard_bounds
 
 
 @given(st.integers(0, 500), st.integers(1, 40))

@@ -9,7 +9,11 @@ import pytest
 
 from selfsup_model.config import DedupConfig, SplitConfig
 from selfsup_model.errors import UserError
-from selfsup_model.source_audit import SeenDocuments, pretraining_leaks, source_leak_audit
+from selfsup_model.pretraining.source_audit import (
+    SeenDocuments,
+    pretraining_leaks,
+    source_leak_audit,
+)
 from tasks.compare import _source_check
 
 WORDS = DedupConfig(shingle="word", shingle_size=1, num_perm=128)

@@ -6,17 +6,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from selfsup_model import lsh, minhash
 from selfsup_model.config import DedupConfig, SplitConfig
-from selfsup_model.errors import ArtifactError, UserError
-from selfsup_model.graph import components, first_seen_ids
-from selfsup_model.leakage import leakage_audit
-from selfsup_model.splitting import (
+from selfsup_model.corpus import lsh, minhash
+from selfsup_model.corpus.graph import components, first_seen_ids
+from selfsup_model.corpus.leakage import leakage_audit
+from selfsup_model.corpus.splitting import (
     UNIT_COLUMN_SEED,
     assign_splits,
     build_units,
     documents_in_split,
 )
+from selfsup_model.errors import ArtifactError, UserError
 
 WORDS = DedupConfig(shingle="word", shingle_size=1, num_perm=128)
 SPLIT = SplitConfig()

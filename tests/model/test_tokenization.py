@@ -11,8 +11,8 @@ import pytest
 
 from selfsup_model.config import TokenizerConfig
 from selfsup_model.errors import ArtifactError, UserError
-from selfsup_model.specials import CLS_ID, SEP_ID, SPECIAL_TOKENS, UNK_ID
-from selfsup_model.tokenization import (
+from selfsup_model.text.specials import CLS_ID, SEP_ID, SPECIAL_TOKENS, UNK_ID
+from selfsup_model.text.tokenization import (
     fit_tokenizer,
     load_tokenizer,
     save_tokenizer,

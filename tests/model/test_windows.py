@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from selfsup_model.specials import BOS_ID, CLS_ID, EOS_ID, NUM_SPECIAL, PAD_ID, SEP_ID
-from selfsup_model.windows import (
+from selfsup_model.text.specials import BOS_ID, CLS_ID, EOS_ID, NUM_SPECIAL, PAD_ID, SEP_ID
+from selfsup_model.text.windows import (
     causal_lm_batch,
     document_windows,
     documents_owning,

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from selfsup_model.specials import CLS_ID, PAD_ID, SEP_ID
+from selfsup_model.text.specials import CLS_ID, PAD_ID, SEP_ID
 
 MAX_LEN = 8
 

@@ -11,7 +11,7 @@ import pytest
 from flows.cli import main
 from flows.pipeline import run_pipeline
 from flows.summary import collect_report
-from selfsup_model.ingest import REJECT_REASONS, ingest_corpus
+from selfsup_model.corpus.ingest import REJECT_REASONS, ingest_corpus
 from selfsup_model.presets import build_config
 
 PROSE = [

@@ -18,7 +18,7 @@ from prefect.settings import PREFECT_API_URL
 from flows.cli import main
 from flows.lock import workdir_lock
 from selfsup_model.artifacts import sha256_file
-from selfsup_model.pretrain_callbacks import read_checkpoint
+from selfsup_model.pretraining.callbacks import read_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 DETERMINISTIC = [

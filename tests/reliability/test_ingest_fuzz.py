@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from selfsup_model.config import IngestConfig
+from selfsup_model.corpus.ingest import REJECT_REASONS, ingest_corpus
 from selfsup_model.errors import CorpusError
-from selfsup_model.ingest import REJECT_REASONS, ingest_corpus
 
 contents = st.one_of(
     st.binary(max_size=300),

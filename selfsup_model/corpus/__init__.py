@@ -1,0 +1,1 @@
+"""Corpus: ingest, near-duplicate removal and leak-safe splitting."""

@@ -1,0 +1,326 @@
+"""Leak-safe train/val/test assignment of the kept documents (audited by `leakage`).
+
+A split unit is a connected component of: documents sharing a dedup cluster,
+documents whose exact shingle Jaccard is >= `relatedness_threshold` (LSH
+candidates on the dedup signatures, two bandings, each verified), and - when
+`use_groups` - documents sharing a non-null group. Whole units go to one split.
+`build_units` finds those components without verifying every candidate pair:
+a pair already inside one unit cannot change them, so its work follows the
+pairs across units, not the square of a bucket of templated near-copies.
+
+Allocation, stratified by label: each split's target is its fraction of every
+label's doc count (unlabelled docs count as one more label). Units are
+shuffled with the seed, then ordered largest first. First, for each label that
+is the majority label (ties: alphabetically first) of at least three units,
+its three smallest units are dealt one to each split, so the label appears
+everywhere; then every other unit goes to the split whose per-label deficits
+it fills most - so a big mixed unit's minority labels are accounted for too.
+A label still absent from a split gets a warning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from selfsup_model.config import SPLITS, DedupConfig, SplitConfig
+from selfsup_model.corpus.graph import components, first_seen_ids, same_code_pairs, value_codes
+from selfsup_model.corpus.leakage import leakage_audit
+from selfsup_model.corpus.lsh import (
+    UNIT_MISS_WEIGHT,
+    CrossLabelPlan,
+    PairJudge,
+    band_buckets,
+    lsh_params,
+)
+from selfsup_model.corpus.minhash import Progress
+from selfsup_model.errors import ArtifactError, UserError
+
+ASSIGNMENT_COLUMNS = ("id", "split", "cluster_id", "unit_id", "group")
+
+
+@dataclass(frozen=True, eq=False)
+class SplitResult:
+    """assignments: one row per input document, input order, ASSIGNMENT_COLUMNS."""
+
+    assignments: pd.DataFrame
+    counts: dict[str, Any]
+    warnings: list[str] = field(default_factory=list)
+    audit: dict[str, Any] = field(default_factory=dict)
+
+
+# Planned pairs per verification pass: a (budget, 2) int64 block of ~16 MiB.
+_PAIR_BUDGET = 1 << 20
+# Unit building bands the signature columns twice: in their own order and in this seeded
+# order (the audit uses a third). A pair at exactly J = 0.5 escapes one banding of 39 x 3
+# rows with probability 0.0055, both with ~3e-5: a miss is what leaks across splits.
+UNIT_COLUMN_SEED = 20240602
+# Chain passes through the buckets before the exhaustive one: each joins most of what
+# is left of a bucket of near-copies, so a few leave only genuinely mixed buckets.
+_CHAIN_ROUNDS = 3
+
+
+def _link(judge: PairJudge, pairs: np.ndarray, unit: np.ndarray) -> np.ndarray:
+    """The units after joining every related pair among `pairs`: (n,) int64 labels.
+
+    Pairs already in one unit are dropped before any work."""
+    related, _ = judge.related(pairs[unit[pairs[:, 0]] != unit[pairs[:, 1]]])
+    joined = components(int(unit.max()) + 1, unit[related])
+    return joined[unit]
+
+
+def _unit_buckets(signatures: np.ndarray, threshold: float) -> tuple[np.ndarray, np.ndarray]:
+    """Buckets of both of unit building's bandings: members (e,) and bounds (b + 1,)."""
+    bands_rows = lsh_params(threshold, signatures.shape[1], UNIT_MISS_WEIGHT)
+    columns = np.random.default_rng(UNIT_COLUMN_SEED).permutation(signatures.shape[1])
+    first, first_bounds = band_buckets(signatures, bands_rows)
+    second, second_bounds = band_buckets(signatures, bands_rows, columns)
+    bounds = np.r_[first_bounds, first_bounds[-1] + second_bounds[1:]]
+    return np.r_[first, second], bounds
+
+
+def build_units(
+    texts: Sequence[str],
+    groups: Sequence[str | None],
+    signatures: np.ndarray,
+    cluster_ids: Sequence[int],
+    cfg: SplitConfig,
+    dedup_cfg: DedupConfig,
+    progress: Progress | None = None,
+    judge: PairJudge | None = None,
+) -> tuple[np.ndarray, dict[str, int]]:
+    """Split unit per document, numbered in first-seen order (n,) int64, and link counts.
+
+    Units start as dedup clusters (joined by shared groups with `use_groups`);
+    bucket-mates of unit building's LSH whose exact Jaccard is >= the threshold
+    are then joined. Only connectivity matters, so no pair inside one unit is
+    ever verified: each bucket is first chained (`CrossLabelPlan.adjacent`), a few
+    rounds, which joins a bucket of templated near-copies with about one check
+    per member; then every pair of bucket-mates still in different units is
+    judged, a budget at a time, re-reading the units between passes. The result
+    is the partition that verifying every candidate pair would give, at a cost
+    that follows the pairs across units, not the square of the bucket sizes.
+    Link counts are the judge's (`PairJudge`): related_pairs counts the links
+    found on the way (a spanning set), not every related pair.
+    `progress(done, total)` counts the planned pairs of that last pass; `judge` (over
+    these texts, at `relatedness_threshold`) keeps its verdicts and shingles for the audit.
+    """
+    threshold = cfg.relatedness_threshold
+    edges = [same_code_pairs(np.asarray(cluster_ids, dtype=np.int64))]
+    if cfg.use_groups:
+        edges.append(same_code_pairs(value_codes(groups)))
+    unit = components(len(texts), np.concatenate(edges))
+    members, bounds = _unit_buckets(signatures, threshold)
+    judge = judge or PairJudge(
+        texts, signatures, threshold, dedup_cfg.shingle, dedup_cfg.shingle_size
+    )
+    for _ in range(_CHAIN_ROUNDS):
+        chain = CrossLabelPlan(members, bounds, unit).adjacent()
+        if not len(chain):
+            break
+        unit = _link(judge, chain, unit)
+    plan = CrossLabelPlan(members, bounds, unit)
+    done = 0
+    for pairs in plan.chunks(_PAIR_BUDGET):
+        unit = _link(judge, pairs, unit)
+        done += len(pairs)
+        if progress is not None:
+            progress(done, plan.total)
+    if progress is not None and not plan.total:
+        progress(0, 0)
+    # A fresh judge, or one that has judged nothing else yet: its counts are ours.
+    return first_seen_ids(unit), {"lsh_buckets": len(bounds) - 1, **judge.counts}
+
+
+def _label_counts(
+    unit: np.ndarray, labels: Sequence[str | None], stratify: bool
+) -> tuple[np.ndarray, list[str | None]]:
+    """Docs per (unit, label): (units, L) int64 and the L column names.
+
+    Labels are sorted; unlabelled documents (all of them when not stratifying)
+    share a last column named None."""
+    raw = [None if (not stratify or pd.isna(lab)) else str(lab) for lab in labels]
+    codes, names = pd.factorize(pd.Series(raw, dtype=object), sort=True)  # None -> -1
+    codes = np.where(codes < 0, len(names), codes)
+    counts = np.zeros((unit.max() + 1, len(names) + 1), dtype=np.int64)
+    np.add.at(counts, (unit, codes), 1)
+    return counts, [str(name) for name in names] + [None]
+
+
+def _deal_for_coverage(
+    order: np.ndarray, counts: np.ndarray, target: np.ndarray, split_of_unit: np.ndarray
+) -> None:
+    """Per label with >= 3 units whose majority it is: its 3 smallest, one to each split."""
+    labelled = counts[:, :-1]  # the last column holds unlabelled docs
+    majority = np.full(len(counts), counts.shape[1] - 1, dtype=np.int64)  # (units,)
+    if labelled.shape[1]:
+        has_label = labelled.sum(axis=1) > 0
+        majority[has_label] = labelled[has_label].argmax(axis=1)  # ties: alphabetical first
+    for col in range(counts.shape[1]):
+        mine = order[majority[order] == col][::-1][: len(SPLITS)]  # smallest first
+        if len(mine) == len(SPLITS):
+            split_of_unit[mine] = np.argsort(target[:, col], kind="stable")  # smallest target first
+
+
+def _allocate(counts: np.ndarray, cfg: SplitConfig) -> np.ndarray:
+    """Split index (0 train, 1 val, 2 test) per unit: (units,) int64.
+
+    Units go largest first (seeded shuffle among equal sizes) to the split
+    whose per-label deficits they fill most; ties go to the split furthest
+    below its target overall, then train, val, test.
+    """
+    fractions = np.array([cfg.train, cfg.val, cfg.test], dtype=np.float64)
+    target = fractions[:, None] * counts.sum(axis=0)[None, :]  # (3, L) docs per split and label
+    sizes = counts.sum(axis=1)
+    shuffled = np.random.default_rng(cfg.seed).permutation(len(sizes))
+    order = shuffled[np.argsort(-sizes[shuffled], kind="stable")]
+    split_of_unit = np.full(len(sizes), -1, dtype=np.int64)
+    _deal_for_coverage(order, counts, target, split_of_unit)
+    filled = np.zeros_like(target)
+    for u in np.flatnonzero(split_of_unit >= 0):
+        filled[split_of_unit[u]] += counts[u]
+    for u in order[split_of_unit[order] < 0]:
+        deficit = target - filled  # (3, L)
+        gain = np.minimum(counts[u], np.maximum(deficit, 0.0)).sum(axis=1)
+        best = np.flatnonzero(gain >= gain.max() - 1e-9)
+        split = best[np.argmax(deficit[best].sum(axis=1))]
+        split_of_unit[u] = split
+        filled[split] += counts[u]
+    return split_of_unit
+
+
+def _missing_label_warnings(
+    counts: np.ndarray, names: list[str | None], split_of_unit: np.ndarray
+) -> list[str]:
+    """One warning per label absent from some split, with how many units hold it."""
+    warnings = []
+    for col, name in enumerate(names):
+        holders = np.flatnonzero(counts[:, col] > 0)
+        missing = [s for i, s in enumerate(SPLITS) if not (split_of_unit[holders] == i).any()]
+        if name is not None and len(holders) and missing:
+            warnings.append(
+                f"label {name!r} is missing from {', '.join(missing)}: its "
+                f"{int(counts[holders, col].sum())} docs sit in only {len(holders)} split unit(s)"
+            )
+    return warnings
+
+
+def _check_inputs(ids, texts, labels, groups, signatures, cluster_ids, dedup_cfg) -> int:
+    n = len(ids)
+    lengths = {
+        "texts": len(texts),
+        "labels": len(labels),
+        "groups": len(groups),
+        "signatures": len(signatures),
+        "cluster_ids": len(cluster_ids),
+    }
+    bad = {k: v for k, v in lengths.items() if v != n}
+    if bad:
+        raise UserError(f"split inputs must align with {n} ids; got {bad}")
+    if signatures.ndim != 2 or signatures.shape[1] != dedup_cfg.num_perm:
+        raise UserError(
+            f"signatures have shape {signatures.shape}, expected "
+            f"(n, {dedup_cfg.num_perm}) from dedup; "
+            "rerun the dedup stage with the same dedup config"
+        )
+    if pd.Index(list(ids)).has_duplicates:
+        raise UserError("split: document ids must be unique")
+    return n
+
+
+def assign_splits(
+    ids: Sequence[str],
+    texts: Sequence[str],
+    labels: Sequence[str | None],
+    groups: Sequence[str | None],
+    signatures: np.ndarray,
+    cluster_ids: Sequence[int],
+    cfg: SplitConfig,
+    dedup_cfg: DedupConfig,
+    progress: Progress | None = None,
+    audit_progress: Progress | None = None,
+) -> SplitResult:
+    """Assign every (kept) document to train/val/test by whole units; audit the result.
+
+    `progress(done, total)` follows unit building's pairs, `audit_progress` the audit's."""
+    n = _check_inputs(ids, texts, labels, groups, signatures, cluster_ids, dedup_cfg)
+    judge = PairJudge(  # shared: the audit skips pairs unit building found unrelated
+        texts, signatures, cfg.relatedness_threshold, dedup_cfg.shingle, dedup_cfg.shingle_size
+    )
+    unit, links = build_units(
+        texts, groups, signatures, cluster_ids, cfg, dedup_cfg, progress, judge
+    )
+    unit_sizes = np.bincount(unit)  # (units,)
+    if len(unit_sizes) < len(SPLITS):
+        raise UserError(
+            f"split: the {n} documents form only {len(unit_sizes)} split unit(s) (related "
+            "documents and shared groups stay together), but train/val/test needs at least 3; "
+            "add documents, set split.use_groups=false or raise split.relatedness_threshold"
+        )
+    counts, names = _label_counts(unit, labels, cfg.stratify)
+    split_of_unit = _allocate(counts, cfg)
+    warnings = _missing_label_warnings(counts, names, split_of_unit)
+    split = np.array(SPLITS, dtype=object)[split_of_unit[unit]]  # (n,)
+    for name in SPLITS:
+        if not (split == name).any():
+            raise UserError(
+                f"split {name!r} ended up empty ({len(unit_sizes)} units for fractions "
+                f"{cfg.train:g}/{cfg.val:g}/{cfg.test:g}); add documents or change the fractions"
+            )
+    audit = leakage_audit(
+        ids, texts, split, groups, signatures, cfg, dedup_cfg, audit_progress, judge
+    )
+    if audit["message"]:
+        warnings.append(audit["message"])
+    frame = pd.DataFrame(
+        {
+            "id": pd.array(list(ids), dtype="str"),
+            "split": pd.array(split, dtype="str"),
+            "cluster_id": np.asarray(cluster_ids, dtype=np.int64),
+            "unit_id": unit,
+            "group": pd.array(pd.Series(list(groups), dtype=object), dtype="str"),
+        }
+    )
+    summary = _counts(frame, labels, split_of_unit, links, audit)
+    return SplitResult(assignments=frame, counts=summary, warnings=warnings, audit=audit)
+
+
+def _counts(frame, labels, split_of_unit, links, audit) -> dict[str, Any]:
+    by_split = frame.assign(label=pd.Series(list(labels), dtype=object))
+    label_counts = {
+        name: {str(k): int(v) for k, v in sorted(part["label"].dropna().value_counts().items())}
+        for name, part in by_split.groupby("split", sort=False)
+    }
+    return {
+        "documents": len(frame),
+        "units": len(split_of_unit),
+        "largest_unit": int(np.bincount(frame["unit_id"].to_numpy()).max()),
+        "docs_per_split": {s: int((frame["split"] == s).sum()) for s in SPLITS},
+        "units_per_split": {s: int((split_of_unit == i).sum()) for i, s in enumerate(SPLITS)},
+        "labels_per_split": {s: label_counts.get(s, {}) for s in SPLITS},
+        **links,
+        "leakage_pairs": audit["related_pairs"],
+        "groups_across_splits": audit["groups_across_splits"],
+    }
+
+
+def documents_in_split(
+    documents: pd.DataFrame, assignments: pd.DataFrame, split: str
+) -> pd.DataFrame:
+    """The rows of `documents` (an "id" column) that `assignments` puts in `split`.
+
+    Same columns as `documents`, rows in assignment order (so deterministic), index reset;
+    a split with no documents (or an unknown name) gives an empty frame."""
+    ids = assignments.loc[assignments["split"] == split, "id"]
+    rows = pd.Index(documents["id"]).get_indexer(ids)
+    if (rows < 0).any():
+        raise ArtifactError(
+            f"{int((rows < 0).sum())} {split} id(s) of the split assignments are not among the "
+            f"documents, e.g. {ids[rows < 0].iloc[0]!r}: they come from another corpus; "
+            "rerun the split stage"
+        )
+    return documents.iloc[rows].reset_index(drop=True)

@@ -1,0 +1,1 @@
+"""The network: layers, the encoder and its heads, losses, optimisers, saving."""

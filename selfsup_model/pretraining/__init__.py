@@ -1,0 +1,1 @@
+"""Pretraining: batches, the training loop, validation, continued pretraining, devices."""

@@ -1,0 +1,1 @@
+"""Reporting: metrics, paired effects, the comparison report and its plots."""

@@ -1,0 +1,1 @@
+"""Serving a trained run: prediction, scoring and generation on new text."""

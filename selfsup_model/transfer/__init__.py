@@ -1,0 +1,1 @@
+"""Transfer: classifiers, fine-tuning, baselines and the comparison protocol."""
