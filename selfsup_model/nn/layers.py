@@ -20,6 +20,7 @@ import math
 import keras
 from keras import layers, ops
 
+from selfsup_model.errors import UserError
 from selfsup_model.nn.saving import serializable
 from selfsup_model.text.specials import BOS_ID, CLS_ID, PAD_ID
 
@@ -315,3 +316,43 @@ class TransformerEncoderBlock(layers.Layer):
         return {**super().get_config(), "hidden": self.hidden, "heads": self.heads, "ff": self.ff,
                 "dropout": self.dropout, "norm": self.norm, "causal": self.causal,
                 "epsilon": self.epsilon, "seed": self.seed}
+
+
+@serializable
+class BagTokenEmbedding(layers.Layer):
+    """int32 ids (B, L), L <= max_len -> token vectors (B, L, dim); no positions: a bag.
+
+    The arithmetic needs no `max_len`; it is the limit `train_classifier` checks
+    on every encoder, so this baseline reads exactly the token windows the
+    Transformer reads. The [PAD] row is trained like any other but never
+    reaches a pooled vector (MaskedMeanPooling drops padded positions).
+    """
+
+    def __init__(self, vocab_size: int, max_len: int, dim: int, seed: int | None = None,
+                 rate_multiplier: float = 1.0, **kwargs):
+        super().__init__(**kwargs)
+        self.vocab_size, self.max_len, self.dim = int(vocab_size), int(max_len), int(dim)
+        self.seed, self.rate_multiplier = seed, float(rate_multiplier)
+        if self.rate_multiplier <= 0:
+            raise UserError(f"bag rate_multiplier must be positive, got {rate_multiplier}")
+        # fastText's initialisation, U(-1/dim, 1/dim), for the vectors the layer returns: the
+        # mean of a document starts near zero. Stored divided by the multiplier.
+        limit = 1.0 / (self.dim * self.rate_multiplier)
+        init = keras.initializers.RandomUniform(-limit, limit, seed=seed)
+        self.token_embedding = layers.Embedding(
+            self.vocab_size, self.dim, embeddings_initializer=init, name="token_embedding"
+        )
+
+    def build(self, ids_shape):
+        self.token_embedding.build(ids_shape)
+
+    def call(self, ids):
+        return self.token_embedding(ids) * self.rate_multiplier  # (B, L, dim)
+
+    def compute_output_shape(self, ids_shape):
+        return (*ids_shape, self.dim)
+
+    def get_config(self):
+        sizes = {"vocab_size": self.vocab_size, "max_len": self.max_len, "dim": self.dim,
+                 "seed": self.seed, "rate_multiplier": self.rate_multiplier}
+        return {**super().get_config(), **sizes}

@@ -31,8 +31,8 @@ from selfsup_model.nn.layers import (
     truncated_normal_init,
 )
 from selfsup_model.nn.losses import TokenWeightedLoss, paired_info_nce, token_weighted_loss
+from selfsup_model.nn.pooling import MaskedMeanPooling
 from selfsup_model.nn.saving import serializable
-from selfsup_model.transfer.classify import MaskedMeanPooling
 
 EMBEDDING_LAYER = "embeddings"
 DOCUMENT_MASK_LAYER = "document_mask"

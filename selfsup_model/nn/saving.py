@@ -22,12 +22,14 @@ PACKAGE = "selfsup"
 serializable = keras.saving.register_keras_serializable(package=PACKAGE)
 
 # Modules whose import registers the classes saved artifacts refer to.
-_REGISTERING_MODULES = ("nn.layers", "nn.losses", "nn.model", "nn.optimizers", "transfer.classify",
-                        "transfer.bag_of_embeddings")
+# Every saved class lives in nn/, so loading needs nothing from later in the pipeline.
+_REGISTERING_MODULES = ("selfsup_model.nn.layers", "selfsup_model.nn.pooling",
+                        "selfsup_model.nn.losses", "selfsup_model.nn.model",
+                        "selfsup_model.nn.optimizers")
 
 
 def load_keras_model(path: str | os.PathLike) -> keras.Model:
     """Load a `.keras` artifact written by selfsup, with `safe_mode=True` (no arbitrary code)."""
     for name in _REGISTERING_MODULES:
-        importlib.import_module(f"selfsup_model.{name}")
+        importlib.import_module(name)
     return keras.saving.load_model(path, safe_mode=True)

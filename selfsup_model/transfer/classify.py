@@ -14,63 +14,14 @@ from collections.abc import Sequence
 
 import keras
 import numpy as np
-from keras import ops
 
 from selfsup_model.errors import UserError
 from selfsup_model.nn.layers import FastDropout, TransformerEncoderBlock, derive_seed
-from selfsup_model.nn.saving import serializable
+from selfsup_model.nn.pooling import ClsPooling, LastTokenPooling, MaskedMeanPooling
 from selfsup_model.text.specials import PAD_ID
 from selfsup_model.text.windows import causal_framing, documents_owning, mean_over_documents
 
 POOLINGS: tuple[str, ...] = ("mean", "cls", "last")
-
-
-@serializable
-class MaskedMeanPooling(keras.layers.Layer):
-    """Mean of the states at real positions (ids != PAD): (B, L, H), (B, L) -> (B, H).
-
-    Padded positions never enter the sum (selected out with `where`, so even a
-    NaN in a padded row cannot leak in). A row with no real token pools to zeros.
-    """
-
-    def call(self, states, ids):
-        real = ops.expand_dims(ops.not_equal(ids, PAD_ID), -1)  # (B, L, 1)
-        kept = ops.where(real, states, ops.zeros_like(states))  # (B, L, H)
-        count = ops.sum(ops.cast(real, states.dtype), axis=1)  # (B, 1)
-        return ops.sum(kept, axis=1) / ops.maximum(count, 1.0)  # (B, H)
-
-    def compute_output_shape(self, states_shape, ids_shape):
-        return (states_shape[0], states_shape[-1])
-
-
-@serializable
-class ClsPooling(keras.layers.Layer):
-    """The state at position 0, the [CLS] token every encoded sequence starts with.
-
-    Under bidirectional attention this state has attended to every real token
-    (and, through the padding mask, to no padded one). `ids` is accepted for a
-    signature shared with `MaskedMeanPooling` and is not used.
-    """
-
-    def call(self, states, ids):
-        return states[:, 0, :]  # (B, H)
-
-    def compute_output_shape(self, states_shape, ids_shape):
-        return (states_shape[0], states_shape[-1])
-
-
-@serializable
-class LastTokenPooling(keras.layers.Layer):
-    """The state at each row's last real position: under a causal mask, the one that has seen
-    the whole document. Windows are right-padded, so it sits at (number of real tokens - 1)."""
-
-    def call(self, states, ids):
-        count = ops.sum(ops.cast(ops.not_equal(ids, PAD_ID), "int32"), axis=1)  # (B,)
-        last = ops.maximum(count - 1, 0)[:, None, None]  # (B, 1, 1)
-        return ops.take_along_axis(states, ops.cast(last, "int32"), axis=1)[:, 0, :]  # (B, H)
-
-    def compute_output_shape(self, states_shape, ids_shape):
-        return (states_shape[0], states_shape[-1])
 
 
 def is_causal(backbone: keras.Model) -> bool:
