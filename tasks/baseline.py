@@ -25,14 +25,15 @@ from selfsup_model.transfer.protocol import (
     train_neural_methods,
     write_method_results,
 )
-from selfsup_model.transfer.sentence_embeddings import embed_texts, sentence_embedding_status
+from selfsup_model.transfer.sentence_embeddings import (
+    SENTENCE_METHOD,
+    embed_texts,
+    sentence_embedding_status,
+)
 from tasks.joined import invite
 from tasks.stage import RunContext, StageOutput, progress_logger
 
 log = logging.getLogger("selfsup.baseline")
-
-
-SENTENCE_METHOD = "sentence_minilm_probe"
 
 
 def sentence_baseline(data: LabelledData, texts: pd.Series,

@@ -28,7 +28,7 @@ from selfsup_model.report.comparison import (
 )
 from selfsup_model.report.effects import effect_sentence, pretraining_effects, seed_spread
 from selfsup_model.transfer.protocol import result_key
-from tasks.baseline import SENTENCE_METHOD
+from selfsup_model.transfer.sentence_embeddings import SENTENCE_METHOD
 from tasks.stage import RunContext, StageOutput
 
 log = logging.getLogger("selfsup.compare")

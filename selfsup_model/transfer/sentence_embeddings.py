@@ -28,6 +28,8 @@ import numpy as np
 from selfsup_model.artifacts import atomic_path, atomic_write_json, cached_sha256, sha256_json
 from selfsup_model.errors import UserError
 
+# The method name the baseline stage records its results under.
+SENTENCE_METHOD = "sentence_minilm_probe"
 EMBEDDING_DIM = 384
 INSTALL_HINT = "pip install -e '.[embeddings]'"
 _MODEL_FILES = (
