@@ -23,6 +23,8 @@ from selfsup_model.config import PipelineConfig
 from selfsup_model.report.comparison import (
     edge_sentence,
     grid_edges,
+    narrow_grids,
+    narrow_sentence,
     recompute_results,
     write_report,
 )
@@ -166,10 +168,13 @@ def compute(ctx: RunContext, out: Path, inputs: dict[str, Path]) -> StageOutput:
         context["classifier handed over"] = (
             f"{kept['method']} at label fraction {kept['fraction']:g} "
             f"(validation macro-F1 {kept['val_macro_f1']:.3f}; {kept['why']})")
-    edges = grid_edges(results, searched_grids(ctx.config))
+    grids = searched_grids(ctx.config)
+    edges, narrow = grid_edges(results, grids), narrow_grids(results, grids)
+    for grid in narrow:
+        log.info("%s", narrow_sentence(grid))
     for edge in edges:
         log.warning("selected at the edge of its grid: %s", edge_sentence(edge))
-    files = write_report(out, results, context, predictions, effects, kept, edges)
+    files = write_report(out, results, context, predictions, effects, kept, edges, narrow)
     files.append(atomic_write_parquet(out / "predictions.parquet", predictions).name)
     with atomic_path(out / "pretrain_loss_curve.png") as tmp:
         shutil.copyfile(inputs["pretrain/loss_curve.png"], tmp)

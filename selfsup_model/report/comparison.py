@@ -78,26 +78,55 @@ def grid_edges(results: Sequence[Mapping[str, Any]],
     """The selections that landed on an end of their search grid, where a wider grid might have
     changed the method's result: one {method, fraction, setting, value, end} per such choice.
 
-    `grids` maps a method name, or "*" for every method, to {setting: the values searched}. A
-    grid of one value has no edge to report: nothing was selected.
+    `grids` maps a method name, or "*" for every method, to {setting: the values searched}. Only
+    grids of three or more values can tell anything here: a grid of one value selected nothing,
+    and every choice from two values is at an end (`narrow_grids` says that once instead).
     """
     edges = []
-    for r in sorted(results, key=lambda r: (float(r["fraction"]), str(r["method"]))):
-        selected = r.get("selected")
-        if not isinstance(selected, Mapping):
-            continue
-        searched = {**grids.get("*", {}), **grids.get(str(r["method"]), {})}
-        for setting, values in searched.items():
-            values = sorted({float(v) for v in values})
-            if setting not in selected or len(values) < 2:
-                continue
-            value = float(selected[setting])
+    for r, setting, values in _searched(results, grids):
+        if len(values) >= 3:
+            value = float(r["selected"][setting])
             end = ("largest" if value >= values[-1] else
                    "smallest" if value <= values[0] else None)
             if end is not None:
                 edges.append({"method": r["method"], "fraction": float(r["fraction"]),
                               "setting": setting, "value": value, "end": end})
     return edges
+
+
+def narrow_grids(results: Sequence[Mapping[str, Any]],
+                 grids: Mapping[str, Mapping[str, Sequence[float]]]) -> list[dict[str, Any]]:
+    """The settings selected from exactly two values: one {setting, values, methods} each (the
+    methods sorted), since every such choice sits at an end of its grid and says nothing about
+    values beyond it."""
+    narrow: dict[tuple[str, tuple[float, ...]], set[str]] = {}
+    for r, setting, values in _searched(results, grids):
+        if len(values) == 2:
+            narrow.setdefault((setting, tuple(values)), set()).add(str(r["method"]))
+    return [{"setting": setting, "values": list(values), "methods": sorted(methods)}
+            for (setting, values), methods in sorted(narrow.items())]
+
+
+def _searched(results: Sequence[Mapping[str, Any]],
+              grids: Mapping[str, Mapping[str, Sequence[float]]]):
+    """(result, setting, the distinct values searched, ascending) for each setting a result
+    selected, results in (fraction, method) order."""
+    for r in sorted(results, key=lambda r: (float(r["fraction"]), str(r["method"]))):
+        selected = r.get("selected")
+        if not isinstance(selected, Mapping):
+            continue
+        searched = {**grids.get("*", {}), **grids.get(str(r["method"]), {})}
+        for setting, values in searched.items():
+            if setting in selected:
+                yield r, setting, sorted({float(v) for v in values})
+
+
+def narrow_sentence(grid: Mapping[str, Any]) -> str:
+    values = ", ".join(f"{v:g}" for v in grid["values"])
+    return (f"{grid['setting']} was chosen from two values ({values}) for "
+            f"{', '.join(grid['methods'])}: any choice from two values is at an end of its grid, "
+            "so this run cannot tell whether a value beyond them would do better. Search three "
+            "or more values to find out.")
 
 
 def edge_sentence(edge: Mapping[str, Any]) -> str:
@@ -108,7 +137,8 @@ def edge_sentence(edge: Mapping[str, Any]) -> str:
 
 def render_markdown(results: Sequence[Mapping[str, Any]], context: Mapping[str, Any],
                     effects: Sequence[Mapping[str, Any]] = (),
-                    edges: Sequence[Mapping[str, Any]] | None = None) -> str:
+                    edges: Sequence[Mapping[str, Any]] | None = None,
+                    narrow: Sequence[Mapping[str, Any]] = ()) -> str:
     _check_results(results)
     head = ("| method | label fraction | test accuracy [95% CI] | test macro-F1 [95% CI] "
             "| over seeds | val macro-F1 | selected on val | train time (s) | n_test |")
@@ -139,8 +169,14 @@ def render_markdown(results: Sequence[Mapping[str, Any]], context: Mapping[str, 
     ]
     if edges is not None:
         lines += ["", "## Selections at the edge of their grid", ""]
-        lines += ([f"- {edge_sentence(e)}" for e in edges] if edges
-                  else ["- None: every setting chosen on validation lies inside its grid."])
+        lines += [f"- {narrow_sentence(g)}" for g in narrow]
+        if edges:
+            lines += [f"- {edge_sentence(e)}" for e in edges]
+        elif narrow:
+            lines += ["- Among grids of three or more values, none: every setting chosen on "
+                      + "validation lies inside its grid."]
+        else:
+            lines += ["- None: every setting chosen on validation lies inside its grid."]
     lines += ["", "## Context", ""]
     lines += [f"- **{key}**: {_plain(value)}" for key, value in context.items()]
     return "\n".join(lines) + "\n"
@@ -154,20 +190,23 @@ def write_report(
     effects: Sequence[Mapping[str, Any]] = (),
     kept_classifier: Mapping[str, Any] | None = None,
     edges: Sequence[Mapping[str, Any]] | None = None,
+    narrow: Sequence[Mapping[str, Any]] = (),
 ) -> list[str]:
     """Write report.md, report.json and the plots into out_dir; return the file names written.
 
     `kept_classifier` (method, fraction, val_macro_f1, ...) names the classifier the run hands
     over; report.json carries it as is. `edges` (from `grid_edges`), when given, are listed in
-    both."""
+    both, with `narrow` (from `narrow_grids`)."""
     _check_results(results)
     out_dir = Path(out_dir)
-    atomic_write_text(out_dir / "report.md", render_markdown(results, context, effects, edges))
+    atomic_write_text(out_dir / "report.md",
+                      render_markdown(results, context, effects, edges, narrow))
     payload = {"results": [_json_safe(dict(r)) for r in results],
                "pretraining_effect": [_json_safe(dict(e)) for e in effects],
                "context": _json_safe(dict(context))}
     if edges is not None:
         payload["grid_edges"] = [_json_safe(dict(e)) for e in edges]
+        payload["narrow_grids"] = [_json_safe(dict(g)) for g in narrow]
     if kept_classifier is not None:
         payload["kept_classifier"] = _json_safe(dict(kept_classifier))
     atomic_write_json(out_dir / "report.json", payload)

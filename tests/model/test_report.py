@@ -10,6 +10,7 @@ from selfsup_model.report.comparison import (
     CONFUSION_PLOT,
     CURVE_PLOT,
     grid_edges,
+    narrow_grids,
     recompute_results,
     render_markdown,
     winner_statements,
@@ -104,6 +105,36 @@ def test_report_lists_grid_edges_or_says_there_are_none(tmp_path):
     write_report(tmp_path, results, {}, edges=[])
     assert "- None: every setting chosen on validation lies inside its grid." in (
         tmp_path / "report.md").read_text()
+
+
+def test_a_two_value_grid_is_said_once_not_flagged_at_every_selection(tmp_path):
+    # The demo's shape: every neural method picks from two rates, TF-IDF from four values of C.
+    results = [
+        {"method": "full", "fraction": 0.05, "selected": {"learning_rate": 1e-3, "seed": 1}},
+        {"method": "full", "fraction": 0.25, "selected": {"learning_rate": 3e-3, "seed": 0}},
+        {"method": "bag", "fraction": 0.05, "selected": {"learning_rate": 1e-3, "seed": 0}},
+        {"method": "tfidf", "fraction": 0.05, "selected": {"C": 10.0}},
+        {"method": "probe", "fraction": 0.05, "selected": {"C": 1.0}},
+    ]
+    grids = {"*": {"learning_rate": (3e-3, 1e-3)}, "tfidf": {"C": (0.1, 1.0, 10.0, 100.0)},
+             "probe": {"C": (0.3, 3.0)}}
+    assert grid_edges(results, grids) == []  # four choices from two values: none flagged
+    narrow = narrow_grids(results, grids)
+    assert narrow == [
+        {"setting": "C", "values": [0.3, 3.0], "methods": ["probe"]},
+        {"setting": "learning_rate", "values": [1e-3, 3e-3], "methods": ["bag", "full"]},
+    ]
+    scored = [{**r, "test_accuracy": 0.5, "test_macro_f1": 0.5} for r in results]
+    write_report(tmp_path, scored, {}, edges=[], narrow=narrow)
+    markdown = (tmp_path / "report.md").read_text()
+    assert markdown.count("chosen from two values") == 2
+    assert ("- learning_rate was chosen from two values (0.001, 0.003) for bag, full: any choice "
+            "from two values is at an end of its grid, so this run cannot tell whether a value "
+            "beyond them would do better. Search three or more values to find out.") in markdown
+    assert ("- Among grids of three or more values, none: every setting chosen on validation "
+            "lies inside its grid.") in markdown
+    assert "None: every setting" not in markdown
+    assert json.loads((tmp_path / "report.json").read_text())["narrow_grids"] == narrow
 
 
 def test_recompute_is_independent_of_row_order():
