@@ -1,5 +1,7 @@
-"""Every command the README shows is checked: selfsup commands parse and their settings validate,
-make targets exist, prefect commands exist (the integration test runs them for real)."""
+"""Every command the README and the docs/ pages show is checked: selfsup commands parse and their
+settings validate, make targets exist, prefect and mlflow commands exist (the integration tests
+run them for real). Every relative link resolves, and the README stays a front page that links
+every docs page."""
 
 from __future__ import annotations
 
@@ -16,10 +18,14 @@ from flows.settings import resolve_settings
 from tasks.registry import select_stages
 
 ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+PAGES = [README, *DOCS]
+README_MAX_LINES = 250
 
 
 def readme_commands() -> list[list[str]]:
-    return readme_commands_in((ROOT / "README.md").read_text())
+    return readme_commands_in(README.read_text())
 
 
 def readme_commands_in(text: str) -> list[list[str]]:
@@ -36,16 +42,30 @@ def readme_commands_in(text: str) -> list[list[str]]:
     return commands
 
 
-COMMANDS = readme_commands()
+def _name(page: Path) -> str:
+    return page.relative_to(ROOT).as_posix()
+
+
+# (page, command) for every command in a ```bash block of the README or a docs page
+PAGE_COMMANDS = [(_name(page), words) for page in PAGES
+                 for words in readme_commands_in(page.read_text())]
+COMMANDS = [words for _, words in PAGE_COMMANDS]
+
+
+def test_docs_pages_exist_and_show_commands():
+    assert DOCS, "docs/*.md: the README's details live there"
+    assert any(page != "README.md" for page, _ in PAGE_COMMANDS)
 
 
 def test_readme_shows_the_two_commands():
-    assert ["make", "demo"] in COMMANDS and ["make", "test"] in COMMANDS
+    assert ["make", "demo"] in readme_commands() and ["make", "test"] in readme_commands()
 
 
-@pytest.mark.parametrize("words", [c for c in COMMANDS if Path(c[0]).name == "selfsup"],
-                         ids=" ".join)
-def test_selfsup_commands_parse_and_validate(words, tmp_path):
+@pytest.mark.parametrize("page,words", [(p, c) for p, c in PAGE_COMMANDS
+                                        if Path(c[0]).name == "selfsup"],
+                         ids=[f"{p}: {' '.join(c)}" for p, c in PAGE_COMMANDS
+                              if Path(c[0]).name == "selfsup"])
+def test_selfsup_commands_parse_and_validate(page, words, tmp_path):
     args = build_parser().parse_args(words[1:])
     if args.command in ("run", "stages"):  # every --set key exists and is valid
         resolve_settings(tmp_path, args.corpus, args.corpus_format, args.preset, None,
@@ -68,7 +88,7 @@ def test_prefect_subcommands_exist():
 
 
 def test_use_the_model_shows_each_way_to_use_a_run():
-    section = (ROOT / "README.md").read_text().split("## Use the model", 1)[1].split("\n## ")[0]
+    section = README.read_text().split("## Use the model", 1)[1].split("\n## ")[0]
     shown = {c[1] for c in readme_commands_in(section) if Path(c[0]).name == "selfsup"}
     assert {"predict", "fill-mask", "generate"} <= shown
     assert "models:/selfsup-classifier/" in section
@@ -81,3 +101,60 @@ def test_mlflow_subcommands_exist():
         out = subprocess.run([sys.executable, "-m", "mlflow", *sub, "--help"],
                              capture_output=True, text=True, check=False, timeout=120)
         assert out.returncode == 0, (words, out.stderr[-500:])
+
+
+def _prose(text: str) -> str:
+    """The text less fenced blocks and inline code, where a [x](y) is no link."""
+    text = re.sub(r"^```.*?^```", "", text, flags=re.DOTALL | re.MULTILINE)
+    return re.sub(r"`[^`\n]*`", "", text)
+
+
+def relative_links(text: str) -> list[str]:
+    """Targets of the Markdown links and images in `text` that are not URLs."""
+    targets = re.findall(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)", _prose(text))
+    return [t for t in targets if not re.match(r"[a-z][a-z0-9+.-]*:", t, flags=re.IGNORECASE)]
+
+
+def anchors(text: str) -> set[str]:
+    """GitHub's anchors for the headings of a Markdown page."""
+    seen: dict[str, int] = {}
+    out = set()
+    for heading in re.findall(r"^#{1,6}\s+(.+?)\s*#*\s*$", _fenced_removed(text),
+                              flags=re.MULTILINE):
+        slug = re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+def _fenced_removed(text: str) -> str:
+    return re.sub(r"^```.*?^```", "", text, flags=re.DOTALL | re.MULTILINE)
+
+
+def test_link_helpers():
+    text = ("See [a](docs/a.md#x-y), ![img](pic.png) and [web](https://example.org).\n"
+            "`[not](a-link.md)`\n```\n[nor](this.md)\n# Not a heading\n```\n"
+            "## X: y (`z`)\n## X: y (`z`)\n")
+    assert relative_links(text) == ["docs/a.md#x-y", "pic.png"]
+    assert anchors(text) == {"x-y-z", "x-y-z-1"}
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_name)
+def test_relative_links_point_to_existing_files(page):
+    broken = []
+    for target in relative_links(page.read_text()):
+        path, _, anchor = target.partition("#")
+        file = (page.parent / path).resolve() if path else page
+        if not file.exists():
+            broken.append(f"{target}: no such file")
+        elif anchor and file.suffix == ".md" and anchor not in anchors(file.read_text()):
+            broken.append(f"{target}: no heading #{anchor} in {_name(file)}")
+    assert not broken, broken
+
+
+def test_readme_is_a_front_page_that_links_every_docs_page():
+    text = README.read_text()
+    assert len(text.splitlines()) <= README_MAX_LINES, "README.md: move details into docs/"
+    linked = {(ROOT / t.partition("#")[0]).resolve() for t in relative_links(text)}
+    assert [_name(p) for p in DOCS if p.resolve() not in linked] == []

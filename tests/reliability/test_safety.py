@@ -60,7 +60,8 @@ def test_ui_binds_to_loopback(monkeypatch, tmp_path):
 
 
 def test_documented_servers_bind_to_loopback():
-    text = (ROOT / "README.md").read_text() + (ROOT / "prefect.yaml").read_text()
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "prefect.yaml"]
+    text = "".join(page.read_text() for page in pages)
     servers = re.findall(r"(?:prefect server start|mlflow (?:ui|server))[^\n`]*", text)
     assert servers and all("--host 127.0.0.1" in s for s in servers), servers
     assert "0.0.0.0" not in text
