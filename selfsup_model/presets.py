@@ -35,7 +35,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "compare": {"bootstrap": 50},
     },
     # The default: the whole pipeline on the embedded corpus in about 10-15 minutes on 2 CPU
-    # cores, depending on the host (README, "Performance"), about 60% of it pretraining.
+    # cores, depending on the host (docs/performance.md), about 60% of it pretraining.
     "demo": {
         "ingest": {"pydocs_max_per_library": 1500},
         "tokenizer": {"vocab_size": 4096},
@@ -70,7 +70,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         # validation picked it for random_init at 25% on both (test macro-F1 +0.039 on the
         # demo, -0.062 on the other), and no method chose 3e-4 in the demo runs since, so it
         # left the grid (a third of each Transformer's fine-tuning time; the library default
-        # keeps all three, and 1e-2 lost everywhere, README). Two label fractions and two
+        # keeps all three, and 1e-2 lost everywhere, docs/protocol.md). Two label fractions and two
         # pretrained modes (staged unfreezing was the weaker of the two fine-tuned ones at
         # every fraction, for 2 of the demo's minutes) bound the time; add them with
         # --set finetune.fractions=... / finetune.modes=...
