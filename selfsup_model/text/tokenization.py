@@ -30,7 +30,7 @@ after the real specials, so all ids exist before the hash-map walk; then
 rebuild the tokenizer from the trained vocabulary with only the seven real
 specials registered. Training then gives a byte-identical `to_str()` across
 fits, processes, thread counts and input orders (word counts are
-order-independent), which `tests/model/test_tokenization.py` checks.
+order-independent), which `tests/text/test_tokenization.py` checks.
 """
 
 from __future__ import annotations

@@ -37,8 +37,8 @@ from selfsup_model.transfer.protocol import (
     features_probe,
     train_neural_methods,
 )
-from tests.model.legacy_models import with_plain_keras_dropout
-from tests.model.toy import make_docs
+from tests.library.toy import make_docs
+from tests.nn.legacy_models import with_plain_keras_dropout
 
 VOCAB, MAX_LEN = 20, 8
 CFG = FinetuneConfig(batch_size=8, epochs=2, min_updates=8, max_updates=24, evals=4, patience=2,

@@ -19,7 +19,7 @@ from selfsup_model.transfer.classify import (
     predict_in_batches,
     stratified_subset,
 )
-from tests.model.toy import make_docs
+from tests.library.toy import make_docs
 
 VOCAB, MAX_LEN, HIDDEN = 20, 8, 8
 

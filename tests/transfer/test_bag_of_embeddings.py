@@ -18,7 +18,7 @@ from selfsup_model.transfer.bag_of_embeddings import (
 from selfsup_model.transfer.classify import build_classifier, predict_classes
 from selfsup_model.transfer.finetuning import train_classifier
 from selfsup_model.transfer.protocol import scratch_baselines
-from tests.model.toy import make_docs
+from tests.library.toy import make_docs
 
 VOCAB, MAX_LEN, DIM = 20, 8, 8
 

@@ -93,7 +93,7 @@ _FINETUNE_SETUP = textwrap.dedent("""
     from selfsup_model.transfer.protocol import (LabelledData, LabelledSplit, NeuralMethod,
                                                  frozen_probe, train_neural_methods)
     from selfsup_model.pretraining.devices import join_processes
-    from tests.model.toy import make_docs
+    from tests.library.toy import make_docs
 
     join_processes()  # several processes (the launch variables) join before any computation
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)

@@ -27,7 +27,7 @@ from selfsup_model.nn.saving import load_keras_model
 from selfsup_model.pretraining.batches import PretrainBatches, pack_rows
 from selfsup_model.text.specials import BOS_ID, CLS_ID, EOS_ID, PAD_ID, SEP_ID
 from selfsup_model.text.windows import causal_lm_batch
-from tests.model.test_bucketing import MASKS, MODEL, L, V, framed, varied
+from tests.pretraining.test_bucketing import MASKS, MODEL, L, V, framed, varied
 
 
 def np_(x) -> np.ndarray:
@@ -290,9 +290,9 @@ def test_a_backbone_keeps_documents_apart_only_when_built_or_converted_to():
 
 
 def test_a_packed_run_trains_and_counts_real_tokens(tmp_path):
-    from tests.model.test_pretraining import MASKS as RUN_MASKS
-    from tests.model.test_pretraining import V as RUN_V
-    from tests.model.test_pretraining import tiny_run, topic_windows
+    from tests.pretraining.test_pretraining import MASKS as RUN_MASKS
+    from tests.pretraining.test_pretraining import V as RUN_V
+    from tests.pretraining.test_pretraining import tiny_run, topic_windows
 
     result = tiny_run(str(tmp_path), steps=12, checkpoint_every=6, packing=True)
     data = PretrainBatches(topic_windows(512, 0), objective="mlm", batch_size=16,

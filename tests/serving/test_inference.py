@@ -26,7 +26,7 @@ from selfsup_model.serving.inference import (
 from selfsup_model.serving.scoring import check_output_path, read_inputs, score, write_predictions
 from selfsup_model.text.tokenization import fit_tokenizer, save_tokenizer
 from selfsup_model.transfer.features import frozen_features
-from tests.model.toy import make_docs
+from tests.library.toy import make_docs
 
 MODEL = ModelConfig(hidden=16, heads=2, ff=32, layers=1, dropout=0.0)
 

@@ -248,8 +248,9 @@ def test_killed_run_resumes_to_the_same_result(tmp_path, buckets, resumed_logs_t
     # A new place is what a real resume gets: each attempt of the stage has its own MLflow run.
     new_place = resumed_logs_to == "a new place"
     log2 = tmp_path / "logged-again.jsonl" if new_place else log
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); from tests.model.test_pretraining import "
-            "tiny_run; tiny_run(sys.argv[2], sys.argv[3], dropout=0.1, "
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); "
+            "from tests.pretraining.test_pretraining import tiny_run; "
+            "tiny_run(sys.argv[2], sys.argv[3], dropout=0.1, "
             "length_buckets=int(sys.argv[4]), log_destination=sys.argv[5])")
     cmd = [sys.executable, "-c", code, str(ROOT), str(out)]
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}

@@ -199,8 +199,8 @@ def test_clm_loss_on_a_trimmed_batch_equals_the_loss_padded_to_max_len():
 
 
 def test_a_bucketed_run_trains_and_counts_real_tokens(tmp_path):
-    from tests.model.test_pretraining import L as RUN_L
-    from tests.model.test_pretraining import tiny_run, topic_windows
+    from tests.pretraining.test_pretraining import L as RUN_L
+    from tests.pretraining.test_pretraining import tiny_run, topic_windows
 
     result = tiny_run(str(tmp_path), steps=20, checkpoint_every=10, length_buckets=3)
     data = batches(topic_windows(512, 0), batch_size=16, seed=42, length_buckets=3)

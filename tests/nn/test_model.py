@@ -27,7 +27,7 @@ from selfsup_model.nn.model import (
     with_dropout,
 )
 from selfsup_model.text.specials import CLS_ID, MASK_ID, PAD_ID, SEP_ID
-from tests.model.legacy_models import with_plain_keras_dropout
+from tests.nn.legacy_models import with_plain_keras_dropout
 
 V, L = 24, 10
 
