@@ -177,27 +177,26 @@ def test_two_training_processes_on_loopback_train_like_one(tmp_path):
 
     env = {**os.environ, "PYTHONPATH": str(ROOT), "KERAS_BACKEND": "jax", "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
-    alone = subprocess.run([sys.executable, "-c", _PROCESS_CHILD, str(tmp_path / "alone")],
-                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-                           check=False)
-    assert alone.returncode == 0, alone.stderr[-3000:]
     address = f"127.0.0.1:{free_port()}"
-    procs = [subprocess.Popen(
-        [sys.executable, "-c", _PROCESS_CHILD, str(tmp_path / f"process{i}")], cwd=ROOT,
-        env={**env, "KERAS_DISTRIBUTION_JOB_ADDRESSES": address,
-             "KERAS_DISTRIBUTION_NUM_PROCESSES": "2", "KERAS_DISTRIBUTION_PROCESS_ID": str(i)},
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in (0, 1)]
-    outs = []
+    joined = {**env, "KERAS_DISTRIBUTION_JOB_ADDRESSES": address,
+              "KERAS_DISTRIBUTION_NUM_PROCESSES": "2"}
+    # The one-process reference runs beside the pair: the pair waits on each other, not on it.
+    runs = [("alone", env), *((f"process{i}", {**joined, "KERAS_DISTRIBUTION_PROCESS_ID": str(i)})
+                              for i in (0, 1))]
+    procs = [subprocess.Popen([sys.executable, "-c", _PROCESS_CHILD, str(tmp_path / name)],
+                              cwd=ROOT, env=run_env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for name, run_env in runs]
+    results = []
     try:
         for proc in procs:
-            outs.append(proc.communicate(timeout=400))
+            results.append(proc.communicate(timeout=400))
     finally:
         for proc in procs:
             proc.kill()
-    for proc, (_, err) in zip(procs, outs):
+    for proc, (_, err) in zip(procs, results):
         assert proc.returncode == 0, err[-3000:]
-    first, second = (json.loads(out.split("RESULT ", 1)[1]) for out, _ in outs)
-    one = json.loads(alone.stdout.split("RESULT ", 1)[1])
+    one, first, second = (json.loads(out.split("RESULT ", 1)[1]) for out, _ in results)
+    outs = results[1:]
 
     # pretraining
     digests = [re.findall(r"process (\d) of 2: trained weights sha256 (\w+)", err)
