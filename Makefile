@@ -25,8 +25,11 @@ demo: install
 	$(BIN)/selfsup run --corpus pydocs --preset demo --workdir $(WORKDIR)
 	$(BIN)/selfsup report --workdir $(WORKDIR)
 
+# Two workers by default (the CI machine's cores); JOBS=0 runs in this process, one test at a time.
+JOBS    ?= 2
+
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(if $(filter 0,$(JOBS)),,-n $(JOBS) --dist loadscope)
 
 lint: install
 	$(BIN)/ruff check flows tasks selfsup_model tests benchmarks

@@ -11,8 +11,11 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
+import functools
 import logging
+import re
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -54,6 +57,52 @@ def _prefect_console_follows_current_stderr():
             if isinstance(handler, PrefectConsoleHandler):
                 handler.stream = stream
                 handler.console.file = stream
+
+
+# `make test` runs two pytest-xdist workers, and a worker takes a whole scope at a time: a test
+# module, or every module that reads the shared tiny run (so that run happens once), so a
+# module's fixtures (a server, a trained model) are built once. The slowest scopes go first
+# (measured with --durations), so the workers finish together instead of one waiting on a long
+# scope drawn last.
+_SLOWEST_FIRST = (
+    "tests/integration/test_prefect_deployment.py",
+    "tiny_run",
+    "tests/integration/test_training_processes.py",
+    "tests/pretraining/test_data_parallel.py",
+    "tests/integration/test_dask_sharding.py",
+    "tests/integration/test_mlflow_postgres.py",
+)
+_READS_TINY_RUN = re.compile(r"^\s*def \w+\([^)]*\btiny_run\b", flags=re.MULTILINE)
+
+
+@functools.cache
+def _scope(module: str) -> str:
+    """The scope of a test module (its path from the rootdir)."""
+    text = (Path(__file__).resolve().parent.parent / module).read_text(encoding="utf-8")
+    return "tiny_run" if _READS_TINY_RUN.search(text) else module
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    rank = {scope: i for i, scope in enumerate(_SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(_scope(item.nodeid.split("::")[0]), len(rank)))
+
+
+try:
+    from xdist.scheduler import LoadScopeScheduling
+except ImportError:  # pytest-xdist comes with the dev extra; without it the suite runs serially
+    pass
+else:
+    class _PipelineScopes(LoadScopeScheduling):
+        def __init__(self, config, log=None):
+            config.option.loadscopereorder = False  # keep the slowest-first order
+            super().__init__(config, log)
+
+        def _split_scope(self, nodeid: str) -> str:
+            return _scope(nodeid.split("::")[0])
+
+    def pytest_xdist_make_scheduler(config, log):
+        return _PipelineScopes(config, log) if config.getvalue("dist") == "loadscope" else None
 
 
 @pytest.fixture(scope="session", autouse=True)
