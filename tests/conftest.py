@@ -82,7 +82,6 @@ def _scope(module: str) -> str:
     return "tiny_run" if _READS_TINY_RUN.search(text) else module
 
 
-@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     rank = {scope: i for i, scope in enumerate(_SLOWEST_FIRST)}
     items.sort(key=lambda item: rank.get(_scope(item.nodeid.split("::")[0]), len(rank)))

@@ -52,9 +52,7 @@ def library_phase(module: str) -> int | None:
     parts = module.split(".")
     if parts[0] != "selfsup_model":
         return None
-    folder = parts[1] if len(parts) > 2 and parts[1] in LIBRARY_ORDER else ""
-    if len(parts) == 2 and parts[1] in LIBRARY_ORDER:  # the package itself, `from x import mod`
-        folder = parts[1]
+    folder = parts[1] if len(parts) > 1 and parts[1] in LIBRARY_ORDER else ""
     return LIBRARY_ORDER.index(folder)
 
 
