@@ -38,7 +38,7 @@ from templated import templated_corpus
 
 from selfsup_model.config import DedupConfig, SplitConfig
 from selfsup_model.corpus.dedup import find_duplicates
-from selfsup_model.corpus.splitting import assign_splits
+from selfsup_model.corpus.splitting import SplitCorpus, assign_splits
 
 _QUERY_CHUNK = 128  # val/test rows per sparse product: bounds the (rows, n_train) block
 
@@ -121,12 +121,8 @@ def run(args: argparse.Namespace) -> dict:
     if profiler:
         profiler.enable()
     result = assign_splits(
-        kept_ids,
-        kept_texts,
-        nones,
-        nones,
-        res.signatures[kept],
-        res.clusters["cluster_id"].to_numpy()[kept],
+        SplitCorpus(kept_ids, kept_texts, nones, nones, res.signatures[kept],
+                    res.clusters["cluster_id"].to_numpy()[kept]),
         split_cfg,
         dedup_cfg,
         progress=lambda done, total: log(f"split progress {done}/{total}"),

@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 
 from selfsup_model.artifacts import atomic_write_json, atomic_write_parquet
-from selfsup_model.corpus.splitting import assign_splits
+from selfsup_model.corpus.splitting import SplitCorpus, assign_splits
 from selfsup_model.errors import ArtifactError
 from tasks.stage import RunContext, StageOutput, progress_logger
 
@@ -28,10 +28,11 @@ def compute(ctx: RunContext, out: Path, inputs: dict[str, Path]) -> StageOutput:
     kept = clusters["is_kept"].to_numpy()
     signatures = np.load(inputs["dedup/signatures.npy"], allow_pickle=False)[kept]
     docs = docs[kept].reset_index(drop=True)
+    corpus = SplitCorpus(docs["id"].tolist(), docs["text"].tolist(),
+                         optional_strings(docs["label"]), optional_strings(docs["group"]),
+                         signatures, clusters["cluster_id"].to_numpy()[kept])
     result = assign_splits(
-        docs["id"].tolist(), docs["text"].tolist(), optional_strings(docs["label"]),
-        optional_strings(docs["group"]),
-        signatures, clusters["cluster_id"].to_numpy()[kept], ctx.config.split, ctx.config.dedup,
+        corpus, ctx.config.split, ctx.config.dedup,
         progress=progress_logger(log, "split units: candidate pairs"),
         audit_progress=progress_logger(log, "split leakage audit: candidate pairs"),
     )

@@ -273,13 +273,8 @@ def shingle_rows(
     return values, (np.concatenate(sizes) if sizes else np.empty(0, dtype=np.int64))
 
 
-def verify_pairs(
-    texts: Sequence[str],
-    pairs: np.ndarray,
-    kind: str = "char",
-    size: int = 5,
-    folded: bool = False,
-) -> np.ndarray:
+def verify_pairs(texts: Sequence[str], pairs: np.ndarray, kind: str = "char",
+                 size: int = 5) -> np.ndarray:
     """Exact Jaccard of each (i, j) row of `pairs` over raw `texts`: (m,) float64.
 
     Only the documents named by a pair are shingled (`shingle_rows`): memory
@@ -288,7 +283,7 @@ def verify_pairs(
     if not len(pairs):
         return np.empty(0, dtype=np.float64)
     involved = sorted_unique(pairs.ravel())  # (k,) sorted document indices
-    values, counts = shingle_rows(texts, involved, kind, size, folded)
+    values, counts = shingle_rows(texts, involved, kind, size)
     offsets = np.r_[0, np.cumsum(counts)].astype(np.int64)
     local = np.searchsorted(involved, pairs)  # (m, 2) rows into the shingled subset
     return pair_jaccard(values, offsets, local[:, 0], local[:, 1])

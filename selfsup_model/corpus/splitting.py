@@ -44,6 +44,46 @@ ASSIGNMENT_COLUMNS = ("id", "split", "cluster_id", "unit_id", "group")
 
 
 @dataclass(frozen=True, eq=False)
+class SplitCorpus:
+    """The kept documents a split is made of, aligned row for row.
+
+    signatures: (n, num_perm) uint32 from dedup; cluster_ids: each document's dedup cluster."""
+
+    ids: Sequence[str]
+    texts: Sequence[str]
+    labels: Sequence[str | None]
+    groups: Sequence[str | None]
+    signatures: np.ndarray
+    cluster_ids: Sequence[int]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def check(self, dedup_cfg: DedupConfig) -> int:
+        """The document count; UserError for misaligned or malformed inputs."""
+        n = len(self.ids)
+        lengths = {name: len(getattr(self, name))
+                   for name in ("texts", "labels", "groups", "signatures", "cluster_ids")}
+        bad = {k: v for k, v in lengths.items() if v != n}
+        if bad:
+            raise UserError(f"split inputs must align with {n} ids; got {bad}")
+        if self.signatures.ndim != 2 or self.signatures.shape[1] != dedup_cfg.num_perm:
+            raise UserError(
+                f"signatures have shape {self.signatures.shape}, expected "
+                f"(n, {dedup_cfg.num_perm}) from dedup; "
+                "rerun the dedup stage with the same dedup config"
+            )
+        if pd.Index(list(self.ids)).has_duplicates:
+            raise UserError("split: document ids must be unique")
+        return n
+
+    def judge(self, cfg: SplitConfig, dedup_cfg: DedupConfig) -> PairJudge:
+        """A pair judge over these documents at the relatedness threshold."""
+        return PairJudge(self.texts, self.signatures, cfg.relatedness_threshold,
+                         dedup_cfg.shingle, dedup_cfg.shingle_size)
+
+
+@dataclass(frozen=True, eq=False)
 class SplitResult:
     """assignments: one row per input document, input order, ASSIGNMENT_COLUMNS."""
 
@@ -83,16 +123,9 @@ def _unit_buckets(signatures: np.ndarray, threshold: float) -> tuple[np.ndarray,
     return np.r_[first, second], bounds
 
 
-def build_units(
-    texts: Sequence[str],
-    groups: Sequence[str | None],
-    signatures: np.ndarray,
-    cluster_ids: Sequence[int],
-    cfg: SplitConfig,
-    dedup_cfg: DedupConfig,
-    progress: Progress | None = None,
-    judge: PairJudge | None = None,
-) -> tuple[np.ndarray, dict[str, int]]:
+def build_units(corpus: SplitCorpus, cfg: SplitConfig, dedup_cfg: DedupConfig,
+                progress: Progress | None = None,
+                judge: PairJudge | None = None) -> tuple[np.ndarray, dict[str, int]]:
     """Split unit per document, numbered in first-seen order (n,) int64, and link counts.
 
     Units start as dedup clusters (joined by shared groups with `use_groups`);
@@ -109,15 +142,12 @@ def build_units(
     `progress(done, total)` counts the planned pairs of that last pass; `judge` (over
     these texts, at `relatedness_threshold`) keeps its verdicts and shingles for the audit.
     """
-    threshold = cfg.relatedness_threshold
-    edges = [same_code_pairs(np.asarray(cluster_ids, dtype=np.int64))]
+    edges = [same_code_pairs(np.asarray(corpus.cluster_ids, dtype=np.int64))]
     if cfg.use_groups:
-        edges.append(same_code_pairs(value_codes(groups)))
-    unit = components(len(texts), np.concatenate(edges))
-    members, bounds = _unit_buckets(signatures, threshold)
-    judge = judge or PairJudge(
-        texts, signatures, threshold, dedup_cfg.shingle, dedup_cfg.shingle_size
-    )
+        edges.append(same_code_pairs(value_codes(corpus.groups)))
+    unit = components(len(corpus), np.concatenate(edges))
+    members, bounds = _unit_buckets(corpus.signatures, cfg.relatedness_threshold)
+    judge = judge or corpus.judge(cfg, dedup_cfg)
     for _ in range(_CHAIN_ROUNDS):
         chain = CrossLabelPlan(members, bounds, unit).adjacent()
         if not len(chain):
@@ -209,36 +239,8 @@ def _missing_label_warnings(
     return warnings
 
 
-def _check_inputs(ids, texts, labels, groups, signatures, cluster_ids, dedup_cfg) -> int:
-    n = len(ids)
-    lengths = {
-        "texts": len(texts),
-        "labels": len(labels),
-        "groups": len(groups),
-        "signatures": len(signatures),
-        "cluster_ids": len(cluster_ids),
-    }
-    bad = {k: v for k, v in lengths.items() if v != n}
-    if bad:
-        raise UserError(f"split inputs must align with {n} ids; got {bad}")
-    if signatures.ndim != 2 or signatures.shape[1] != dedup_cfg.num_perm:
-        raise UserError(
-            f"signatures have shape {signatures.shape}, expected "
-            f"(n, {dedup_cfg.num_perm}) from dedup; "
-            "rerun the dedup stage with the same dedup config"
-        )
-    if pd.Index(list(ids)).has_duplicates:
-        raise UserError("split: document ids must be unique")
-    return n
-
-
 def assign_splits(
-    ids: Sequence[str],
-    texts: Sequence[str],
-    labels: Sequence[str | None],
-    groups: Sequence[str | None],
-    signatures: np.ndarray,
-    cluster_ids: Sequence[int],
+    corpus: SplitCorpus,
     cfg: SplitConfig,
     dedup_cfg: DedupConfig,
     progress: Progress | None = None,
@@ -247,13 +249,9 @@ def assign_splits(
     """Assign every (kept) document to train/val/test by whole units; audit the result.
 
     `progress(done, total)` follows unit building's pairs, `audit_progress` the audit's."""
-    n = _check_inputs(ids, texts, labels, groups, signatures, cluster_ids, dedup_cfg)
-    judge = PairJudge(  # shared: the audit skips pairs unit building found unrelated
-        texts, signatures, cfg.relatedness_threshold, dedup_cfg.shingle, dedup_cfg.shingle_size
-    )
-    unit, links = build_units(
-        texts, groups, signatures, cluster_ids, cfg, dedup_cfg, progress, judge
-    )
+    n = corpus.check(dedup_cfg)
+    judge = corpus.judge(cfg, dedup_cfg)  # shared: the audit skips pairs units found unrelated
+    unit, links = build_units(corpus, cfg, dedup_cfg, progress, judge)
     unit_sizes = np.bincount(unit)  # (units,)
     if len(unit_sizes) < len(SPLITS):
         raise UserError(
@@ -261,7 +259,7 @@ def assign_splits(
             "documents and shared groups stay together), but train/val/test needs at least 3; "
             "add documents, set split.use_groups=false or raise split.relatedness_threshold"
         )
-    counts, names = _label_counts(unit, labels, cfg.stratify)
+    counts, names = _label_counts(unit, corpus.labels, cfg.stratify)
     split_of_unit = _allocate(counts, cfg)
     warnings = _missing_label_warnings(counts, names, split_of_unit)
     split = np.array(SPLITS, dtype=object)[split_of_unit[unit]]  # (n,)
@@ -271,21 +269,20 @@ def assign_splits(
                 f"split {name!r} ended up empty ({len(unit_sizes)} units for fractions "
                 f"{cfg.train:g}/{cfg.val:g}/{cfg.test:g}); add documents or change the fractions"
             )
-    audit = leakage_audit(
-        ids, texts, split, groups, signatures, cfg, dedup_cfg, audit_progress, judge
-    )
+    audit = leakage_audit(corpus.ids, corpus.texts, split, corpus.groups, corpus.signatures,
+                          cfg, dedup_cfg, audit_progress, judge)
     if audit["message"]:
         warnings.append(audit["message"])
     frame = pd.DataFrame(
         {
-            "id": pd.array(list(ids), dtype="str"),
+            "id": pd.array(list(corpus.ids), dtype="str"),
             "split": pd.array(split, dtype="str"),
-            "cluster_id": np.asarray(cluster_ids, dtype=np.int64),
+            "cluster_id": np.asarray(corpus.cluster_ids, dtype=np.int64),
             "unit_id": unit,
-            "group": pd.array(pd.Series(list(groups), dtype=object), dtype="str"),
+            "group": pd.array(pd.Series(list(corpus.groups), dtype=object), dtype="str"),
         }
     )
-    summary = _counts(frame, labels, split_of_unit, links, audit)
+    summary = _counts(frame, corpus.labels, split_of_unit, links, audit)
     return SplitResult(assignments=frame, counts=summary, warnings=warnings, audit=audit)
 
 

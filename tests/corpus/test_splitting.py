@@ -12,6 +12,7 @@ from selfsup_model.corpus.graph import components, first_seen_ids
 from selfsup_model.corpus.leakage import leakage_audit
 from selfsup_model.corpus.splitting import (
     UNIT_COLUMN_SEED,
+    SplitCorpus,
     assign_splits,
     build_units,
     documents_in_split,
@@ -40,16 +41,9 @@ def split_corpus(texts, labels=None, groups=None, cfg=SPLIT, dedup_cfg=WORDS):
         kind=dedup_cfg.shingle,
         size=dedup_cfg.shingle_size,
     )
-    return assign_splits(
-        [f"d{i}" for i in range(n)],
-        texts,
-        labels or [None] * n,
-        groups or [None] * n,
-        sig,
-        np.arange(n),
-        cfg,
-        dedup_cfg,
-    )
+    corpus = SplitCorpus([f"d{i}" for i in range(n)], texts, labels or [None] * n,
+                         groups or [None] * n, sig, np.arange(n))
+    return assign_splits(corpus, cfg, dedup_cfg)
 
 
 def split_of(result, doc_ids):
@@ -248,7 +242,8 @@ def test_units_equal_verifying_every_candidate_pair(seed):
     texts = templated(200, seed)
     n = len(texts)
     sig = minhash.minhash_signatures(texts, num_perm=CHARS.num_perm, seed=CHARS.seed)
-    unit, _ = build_units(texts, [None] * n, sig, np.arange(n), SPLIT, CHARS)
+    unit, _ = build_units(SplitCorpus([f"d{i}" for i in range(n)], texts, [None] * n,
+                                      [None] * n, sig, np.arange(n)), SPLIT, CHARS)
     bands_rows = lsh.lsh_params(0.5, CHARS.num_perm, lsh.UNIT_MISS_WEIGHT)
     columns = np.random.default_rng(UNIT_COLUMN_SEED).permutation(CHARS.num_perm)
     cand = np.unique(
@@ -267,12 +262,8 @@ def test_progress_reports_unit_building_and_audit_to_the_end():
     sig = minhash.minhash_signatures(texts)
     seen = {"units": [], "audit": []}
     assign_splits(
-        [f"d{i}" for i in range(120)],
-        texts,
-        [None] * 120,
-        [None] * 120,
-        sig,
-        np.arange(120),
+        SplitCorpus([f"d{i}" for i in range(120)], texts, [None] * 120, [None] * 120, sig,
+                    np.arange(120)),
         SplitConfig(audit_action="warn"),
         CHARS,
         progress=lambda d, t: seen["units"].append((d, t)),
