@@ -64,12 +64,20 @@ def _sharded_bytes(wd: Path) -> dict[str, bytes]:
             for stage, names in SHARDED.items() for name in names}
 
 
-def test_sharded_stages_on_a_local_dask_cluster_are_byte_identical(corpus, tmp_path):
-    cfg, wd = build_config("tiny"), tmp_path / "wd"
-    first = run_pipeline(cfg, str(corpus), workdir=str(wd), stages=UP_TO_ENCODE, tracking=False)
+@pytest.fixture(scope="module")
+def in_process(corpus, tmp_path_factory) -> tuple[Path, dict[str, bytes]]:
+    """One in-process run up to encode: its workdir, and the sharded stages' bytes that every
+    executor must give."""
+    wd = tmp_path_factory.mktemp("in-process") / "wd"
+    first = run_pipeline(build_config("tiny"), str(corpus), workdir=str(wd), stages=UP_TO_ENCODE,
+                         tracking=False)
     assert first[0].counts["rejected_empty"] > 0 and first[0].counts["rejected_too_short"] > 0
     assert first[1].counts["near_duplicates"] > 0 and first[1].counts["exact_duplicates"] > 0
-    expected = _sharded_bytes(wd)
+    return wd, _sharded_bytes(wd)
+
+
+def test_sharded_stages_on_a_local_dask_cluster_are_byte_identical(corpus, in_process):
+    cfg, (wd, expected) = build_config("tiny"), in_process
     for shards in (1, 4, 7):
         for stage, names in SHARDED.items():  # nothing left over from the last run
             (wd / stage / names[0]).unlink()
@@ -108,7 +116,8 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def test_cli_through_an_existing_scheduler_with_a_real_prefect_server(corpus, tmp_path):
+def test_cli_through_an_existing_scheduler_with_a_real_prefect_server(corpus, in_process,
+                                                                      tmp_path):
     api = f"http://127.0.0.1:{free_port()}/api"
     scheduler = f"tcp://127.0.0.1:{free_port()}"
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_API_URL": api,
@@ -145,12 +154,11 @@ def test_cli_through_an_existing_scheduler_with_a_real_prefect_server(corpus, tm
                                   timeout=300, check=False)
             assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
-        local, remote = tmp_path / "local", tmp_path / "remote"
-        selfsup(local, "--to", "encode")
+        remote = tmp_path / "remote"
         before = _executed_on_worker(scheduler)
         selfsup(remote, "--to", "encode", "--executor", "dask", "--dask-address", scheduler,
                 "--shards", "3")
-        assert _sharded_bytes(remote) == _sharded_bytes(local)
+        assert _sharded_bytes(remote) == in_process[1]
         assert _executed_on_worker(scheduler) > before  # the shards ran on that worker
         for name in ("ingest-judge", "dedup-signatures", "encode-train"):
             runs = _task_runs(api, f"{name}%")

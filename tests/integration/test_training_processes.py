@@ -18,8 +18,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from prefect.settings import PREFECT_API_URL
 
 from tests.integration.servers import free_port
+from tests.pretraining.jax_children import jax_env
 
 pytestmark = pytest.mark.integration
 BIN = Path(sys.executable).parent
@@ -39,10 +41,10 @@ def corpus(tmp_path) -> Path:
 
 
 def _run_pair(corpus: Path, workdir: Path, *extra: str) -> list[str]:
-    env = {**os.environ, "KERAS_BACKEND": "jax", "JAX_PLATFORMS": "cpu",
+    # One CPU device per process; the session's test Prefect API, not a temporary server each.
+    env = {**jax_env(), "PREFECT_API_URL": str(PREFECT_API_URL.value()),
            "KERAS_DISTRIBUTION_JOB_ADDRESSES": f"127.0.0.1:{free_port()}",
            "KERAS_DISTRIBUTION_NUM_PROCESSES": "2"}
-    env.pop("XLA_FLAGS", None)
     procs = [subprocess.Popen(
         [str(BIN / "selfsup"), "run", "--corpus", str(corpus), "--preset", "tiny",
          "--workdir", str(workdir), "--no-tracking", *extra],
@@ -73,9 +75,11 @@ def test_two_processes_share_one_run(corpus, tmp_path):
     assert (workdir / "pretrain" / "manifest.json").is_file()
     assert (workdir / "pretrain" / "encoder.keras").is_file()
 
-    # The library test covers staged mode and several fractions; here one of each suffices.
+    # The library test covers staged mode and several fractions; here one of each suffices. The
+    # sentence-embedding baseline is process 0's alone (tests/transfer cover it).
     again = _run_pair(corpus, workdir, "--to", "baseline", "--set", "finetune.modes=[probe, full]",
-                      "--set", "finetune.fractions=[1.0]")
+                      "--set", "finetune.fractions=[1.0]",
+                      "--set", "baseline.sentence_embeddings=off")
     assert not DIGEST.findall(again[0] + again[1])  # pretraining was up to date
     assert "joined process 0 in finetune, baseline\n" in again[1]
     assert "fine-tuning: data-parallel over 2 devices" in again[0]

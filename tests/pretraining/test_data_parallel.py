@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.pretraining.jax_children import ROOT, jax_env
 
 # A tiny pretraining problem; `model` has the dropout given by DROPOUT.
 _PRETRAIN_SETUP = textwrap.dedent("""
@@ -68,8 +68,7 @@ _CHILD = _PRETRAIN_SETUP.replace("DROPOUT", "0.0") + textwrap.dedent("""
 def test_data_parallel_pretraining_matches_one_device():
     if os.environ.get("SELFSUP_REQUIRE_JAX") != "1":  # CI installs the jax extra and sets it
         pytest.importorskip("jax")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "KERAS_BACKEND": "jax", "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    env = jax_env(devices=2)
     proc = subprocess.run([sys.executable, "-c", _CHILD], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -131,8 +130,7 @@ _FINETUNE_CHILD = _FINETUNE_SETUP + textwrap.dedent("""
 def test_data_parallel_fine_tuning_matches_one_device():
     if os.environ.get("SELFSUP_REQUIRE_JAX") != "1":
         pytest.importorskip("jax")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "KERAS_BACKEND": "jax", "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    env = jax_env(devices=2)
     proc = subprocess.run([sys.executable, "-c", _FINETUNE_CHILD], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -175,8 +173,7 @@ def test_two_training_processes_on_loopback_train_like_one(tmp_path):
         pytest.importorskip("jax")
     from tests.integration.servers import free_port
 
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "KERAS_BACKEND": "jax", "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
+    env = jax_env()
     address = f"127.0.0.1:{free_port()}"
     joined = {**env, "KERAS_DISTRIBUTION_JOB_ADDRESSES": address,
               "KERAS_DISTRIBUTION_NUM_PROCESSES": "2"}

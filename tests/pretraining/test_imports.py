@@ -7,11 +7,10 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.pretraining.jax_children import ROOT, jax_env
 
 # Each import of these raises inside the child, before and after keras loads: keras is free to
 # treat them as optional, our modules are not allowed to need them.
@@ -61,9 +60,7 @@ def test_pretraining_runs_without_orchestration_or_data_prep_packages():
 def test_jax_pretraining_never_imports_tensorflow():
     if os.environ.get("SELFSUP_REQUIRE_JAX") != "1":  # CI installs the jax extra and sets it
         pytest.importorskip("jax")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "KERAS_BACKEND": "jax",
-           "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", _JAX_CHILD], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-c", _JAX_CHILD], cwd=ROOT, env=jax_env(),
                           capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "jax steps 2 loaded []" in proc.stdout
