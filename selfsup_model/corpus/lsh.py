@@ -83,6 +83,25 @@ def pairs_in_runs(keys: np.ndarray) -> np.ndarray:
     return np.concatenate(out) if out else np.empty((0, 2), dtype=np.int64)
 
 
+def query_pairs(keys: np.ndarray, is_query: np.ndarray, budget: int = 1 << 20):
+    """Pairs of positions with equal `keys` of which at least one `is_query`, in (k, 2) int64
+    chunks of about `budget` pairs: (query, other), each such pair once per band.
+
+    Members of a run are ordered non-queries first, so each query pairs with everything
+    before it in its run: every index pair (old x new, new x new) and never old x old -
+    the cost follows the queries, however many indexed items share their bucket."""
+    order = np.lexsort((np.arange(len(keys)), is_query, keys))
+    k = keys[order]
+    run_start = np.flatnonzero(np.r_[True, k[1:] != k[:-1]])
+    start = run_start[np.cumsum(np.r_[True, k[1:] != k[:-1]]) - 1]  # (n,) run start per position
+    pos = np.flatnonzero(is_query[order])
+    count = pos - start[pos]  # items before each query in its run
+    pos, count = pos[count > 0], count[count > 0]
+    for lo, hi in budget_chunks(count, budget):
+        left = np.repeat(order[pos[lo:hi]], count[lo:hi])
+        yield np.stack([left, order[ragged_arange(start[pos[lo:hi]], count[lo:hi])]], axis=1)
+
+
 def candidate_pairs(
     signatures: np.ndarray, threshold: float, bands_rows: tuple[int, int] | None = None
 ) -> np.ndarray:
