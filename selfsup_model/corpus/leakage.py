@@ -21,7 +21,9 @@ from selfsup_model.corpus.lsh import (
     CrossLabelPlan,
     PairJudge,
     band_buckets,
+    band_keys,
     lsh_params,
+    query_pairs,
 )
 from selfsup_model.corpus.minhash import Progress
 from selfsup_model.errors import UserError
@@ -33,8 +35,15 @@ _PAIR_BUDGET = 1 << 20  # candidate pairs per verification pass: a (budget, 2) i
 AUDIT_COLUMN_SEED = 20240601
 
 
+def _touching(pairs_of_keys, is_train: np.ndarray):
+    """Of each chunk of pairs, those joining train to val/test."""
+    for pairs in pairs_of_keys:
+        yield pairs[is_train[pairs[:, 0]] != is_train[pairs[:, 1]]]
+
+
 def cross_split_leaks(
-    is_train: np.ndarray, judge: PairJudge, progress: Progress | None = None
+    is_train: np.ndarray, judge: PairJudge, progress: Progress | None = None,
+    new: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, dict[str, int]]:
     """(val/test, train) pairs at exact Jaccard >= the judge's threshold among the audit's
     LSH candidates: pairs (k, 2), jaccard (k,), and the judge's counts for this audit
@@ -43,19 +52,27 @@ def cross_split_leaks(
     The candidates are the train/non-train pairs of bucket-mates under the audit's
     own banding (`AUDIT_COLUMN_SEED`), cut a budget at a time (`CrossLabelPlan`), so
     memory stays bounded however large a bucket of templated text grows. Pairs the
-    judge already found unrelated (unit building's verdicts) are not judged again."""
+    judge already found unrelated (unit building's verdicts) are not judged again.
+    With `new` (n,) bool, only pairs with a new document are candidates (a grown corpus:
+    earlier pairs were audited when their version was made)."""
     signatures, threshold = judge.signatures, judge.threshold
     columns = np.random.default_rng(AUDIT_COLUMN_SEED).permutation(signatures.shape[1])
     bands_rows = lsh_params(threshold, signatures.shape[1], UNIT_MISS_WEIGHT)
-    members, bounds = band_buckets(signatures, bands_rows, columns)
-    plan = CrossLabelPlan(members, bounds, is_train.astype(np.int64))
+    if new is None:
+        members, bounds = band_buckets(signatures, bands_rows, columns)
+        plan = CrossLabelPlan(members, bounds, is_train.astype(np.int64))
+        chunks, total = plan.chunks(_PAIR_BUDGET), plan.total
+    else:
+        chunks = _touching((pairs for keys in band_keys(signatures[:, columns], *bands_rows)
+                            for pairs in query_pairs(keys, new, _PAIR_BUDGET)), is_train)
+        total = 0  # not known before the pairs are cut
     found, done, before = [], 0, dict(judge.counts)
-    for pairs in plan.chunks(_PAIR_BUDGET):
+    for pairs in chunks:
         done += len(pairs)
         related, jac = judge.related(pairs)
         found.append(np.c_[related, jac])
         if progress is not None:
-            progress(done, plan.total)
+            progress(done, max(total, done))
     leaks = np.concatenate(found) if found else np.empty((0, 3))
     leaks = np.unique(leaks, axis=0)  # a related pair sharing several buckets: once
     pairs = leaks[:, :2].astype(np.int64)
@@ -74,6 +91,7 @@ def leakage_audit(
     dedup_cfg: DedupConfig,
     progress: Progress | None = None,
     judge: PairJudge | None = None,
+    new: np.ndarray | None = None,
 ) -> dict[str, Any]:
     """Near-duplicates of train documents in val/test, and groups split across sides.
 
@@ -84,13 +102,14 @@ def leakage_audit(
     caught: a second look, not the same look twice. With audit_action 'fail' any
     finding raises UserError; with 'warn' the audit's `message` says what was
     found. Groups count only with use_groups. `judge` may be unit building's (same
-    texts, signatures and threshold), so its "unrelated" verdicts are reused.
+    texts, signatures and threshold), so its "unrelated" verdicts are reused. `new`: only
+    pairs with a new document (`cross_split_leaks`).
     """
     split = np.asarray(list(splits), dtype=object)
     judge = judge or PairJudge(
         texts, signatures, cfg.relatedness_threshold, dedup_cfg.shingle, dedup_cfg.shingle_size
     )
-    leaks, jac, counts = cross_split_leaks(split == "train", judge, progress)
+    leaks, jac, counts = cross_split_leaks(split == "train", judge, progress, new)
     worst = np.lexsort((leaks[:, 1], leaks[:, 0], -jac))[:_MAX_EXAMPLES]
     examples = [
         {

@@ -35,7 +35,9 @@ from selfsup_model.corpus.lsh import (
     CrossLabelPlan,
     PairJudge,
     band_buckets,
+    band_keys,
     lsh_params,
+    query_pairs,
 )
 from selfsup_model.corpus.minhash import Progress
 from selfsup_model.errors import ArtifactError, UserError
@@ -173,12 +175,19 @@ def _label_counts(
 
     Labels are sorted; unlabelled documents (all of them when not stratifying)
     share a last column named None."""
+    codes, names = _label_codes(labels, stratify)
+    counts = np.zeros((unit.max() + 1, len(names)), dtype=np.int64)
+    np.add.at(counts, (unit, codes), 1)
+    return counts, names
+
+
+def _label_codes(labels: Sequence[str | None], stratify: bool) -> tuple[np.ndarray,
+                                                                         list[str | None]]:
+    """Label column per document (n,) int64 and the column names: sorted labels, then None
+    for unlabelled documents (all of them when not stratifying)."""
     raw = [None if (not stratify or pd.isna(lab)) else str(lab) for lab in labels]
     codes, names = pd.factorize(pd.Series(raw, dtype=object), sort=True)  # None -> -1
-    codes = np.where(codes < 0, len(names), codes)
-    counts = np.zeros((unit.max() + 1, len(names) + 1), dtype=np.int64)
-    np.add.at(counts, (unit, codes), 1)
-    return counts, [str(name) for name in names] + [None]
+    return np.where(codes < 0, len(names), codes), [str(name) for name in names] + [None]
 
 
 def _deal_for_coverage(
@@ -321,3 +330,186 @@ def documents_in_split(
             "rerun the split stage"
         )
     return documents.iloc[rows].reset_index(drop=True)
+
+
+QUARANTINE_COLUMNS = ("id", "reason", "splits", "related_ids")
+
+
+def _new_unit_edges(corpus: SplitCorpus, new: np.ndarray, cfg: SplitConfig,
+                    judge: PairJudge) -> tuple[np.ndarray, dict[str, int]]:
+    """Edges of a grown corpus' unit graph that touch a new document: shared dedup clusters and
+    groups, and related pairs among both of unit building's bandings' bucket-mates: (m, 2)."""
+    edges = [same_code_pairs(np.asarray(corpus.cluster_ids, dtype=np.int64))]
+    if cfg.use_groups:
+        edges.append(same_code_pairs(value_codes(corpus.groups)))
+    shared = np.concatenate(edges)
+    shared = shared[new[shared[:, 0]] | new[shared[:, 1]]]
+    bands_rows = lsh_params(cfg.relatedness_threshold, corpus.signatures.shape[1],
+                            UNIT_MISS_WEIGHT)
+    columns = np.random.default_rng(UNIT_COLUMN_SEED).permutation(corpus.signatures.shape[1])
+    related = [judge.related(pairs)[0]
+               for sig in (corpus.signatures, corpus.signatures[:, columns])
+               for keys in band_keys(sig, *bands_rows)
+               for pairs in query_pairs(keys, new, _PAIR_BUDGET)]
+    return np.concatenate([shared, *related]), dict(judge.counts)
+
+
+def extend_splits(
+    corpus: SplitCorpus,
+    previous: pd.DataFrame,
+    quarantined: pd.DataFrame,
+    cfg: SplitConfig,
+    dedup_cfg: DedupConfig,
+    changed: Sequence[str] = (),
+    audit_progress: Progress | None = None,
+) -> tuple[SplitResult, pd.DataFrame]:
+    """The next version's split: every earlier document keeps its split, new ones follow.
+
+    `corpus` is this version's kept documents; `previous` the last version's assignments
+    (ASSIGNMENT_COLUMNS) and `quarantined` its quarantine list (QUARANTINE_COLUMNS). A new
+    document is new if neither holds its id. New documents related to earlier ones (the
+    relatedness rule, a shared group, a shared dedup cluster; through other new documents too)
+    join their split and unit; a connected set of new documents that reaches two splits, or a
+    quarantined document, is quarantined whole: in no split, listed with its reason. The rest
+    form new units, allocated by the per-label deficits of the whole corpus against the split
+    fractions. An id in `changed` (its text changed since the last version) is judged as
+    new, and its earlier split counts as one it reaches. The audit looks at every pair with
+    a new document. Returns the result (this version's assignments, corpus order) and the
+    quarantine list."""
+    n = corpus.check(dedup_cfg)
+    ids = pd.Index(pd.Series(list(corpus.ids), dtype=object))
+    prev_pos = ids.get_indexer(previous["id"].astype(object))
+    active = prev_pos >= 0  # earlier assignments whose document is still here
+    held = np.zeros(n, dtype=bool)
+    held_pos = ids.get_indexer(quarantined["id"].astype(object))
+    held[held_pos[held_pos >= 0]] = True
+    split_idx = np.full(n, -1, dtype=np.int64)  # 0/1/2, 3 quarantined, -1 new
+    split_idx[prev_pos[active]] = pd.Index(SPLITS).get_indexer(previous["split"][active])
+    split_idx[held] = len(SPLITS)
+    unit = np.full(n, -1, dtype=np.int64)
+    unit[prev_pos[active]] = previous["unit_id"].to_numpy()[active]
+    was_split = split_idx.copy()  # changed documents: their earlier split, reached
+    changed_pos = ids.get_indexer(pd.Index(list(changed), dtype=object))
+    changed_pos = changed_pos[changed_pos >= 0]
+    split_idx[changed_pos] = -1
+    new = split_idx < 0
+
+    judge = corpus.judge(cfg, dedup_cfg)
+    edges, links = _new_unit_edges(corpus, new, cfg, judge)
+    # New documents connected among themselves move together; the earlier documents they
+    # touch directly say where: a (components, 4) table of the splits each one reaches.
+    both_new = new[edges[:, 0]] & new[edges[:, 1]]
+    comp = components(n, edges[both_new])
+    to_old = edges[~both_new]
+    newer, older = np.where(new[to_old[:, 0]], to_old.T, to_old[:, ::-1].T)
+    reach = np.zeros((int(comp.max(initial=-1)) + 1, len(SPLITS) + 1), dtype=bool)
+    reach[comp[newer], split_idx[older]] = True
+    reach[comp[changed_pos], was_split[changed_pos]] = was_split[changed_pos] >= 0
+    first_unit = np.full(len(reach), np.iinfo(np.int64).max)
+    placed = split_idx[older] < len(SPLITS)
+    np.minimum.at(first_unit, comp[newer[placed]], unit[older[placed]])
+    newcomers = np.flatnonzero(new)
+    reached = reach[comp[newcomers]]  # (k, 4)
+    joins = (reached.sum(axis=1) == 1) & ~reached[:, len(SPLITS)]
+    conflict = (reached.sum(axis=1) > 1) | reached[:, len(SPLITS)]
+    joiners, held_now = newcomers[joins], newcomers[conflict]
+    split_idx[joiners] = reached[joins].argmax(axis=1)
+    unit[joiners] = first_unit[comp[joiners]]
+    split_idx[held_now] = len(SPLITS)
+    fresh = newcomers[~joins & ~conflict]
+
+    # New units: allocated against what the whole corpus needs per split and label.
+    in_split = (split_idx >= 0) & (split_idx < len(SPLITS))
+    if len(fresh):
+        local = first_seen_ids(comp[fresh])
+        unit[fresh] = max(int(unit.max(initial=-1)),
+                          int(previous["unit_id"].max()) if len(previous) else -1) + 1 + local
+        codes, names = _label_codes(corpus.labels, cfg.stratify)
+        counts = np.zeros((int(local.max()) + 1, len(names)), dtype=np.int64)
+        np.add.at(counts, (local, codes[fresh]), 1)
+        placed = np.flatnonzero(in_split)  # fresh documents are not placed yet
+        filled = np.zeros((len(SPLITS), len(names)), dtype=np.float64)
+        np.add.at(filled, (split_idx[placed], codes[placed]), 1.0)
+        split_idx[fresh] = _allocate_more(counts, filled, cfg)[local]
+        in_split = split_idx < len(SPLITS)
+    kept_rows = np.setdiff1d(prev_pos[active], changed_pos)
+    moved = split_idx[kept_rows] != was_split[kept_rows]
+    if moved.any():  # by construction never; a broken invariant must not pass silently
+        raise ArtifactError(f"split: {int(moved.sum())} earlier document(s) would change split")
+
+    keep = np.flatnonzero(in_split)
+    split = np.array(SPLITS, dtype=object)[split_idx[keep]]
+    audit = leakage_audit(_take(corpus.ids, keep), _take(corpus.texts, keep), split,
+                          _take(corpus.groups, keep),
+                          corpus.signatures[keep], cfg, dedup_cfg, audit_progress,
+                          new=new[keep])
+    frame = pd.DataFrame({
+        "id": pd.array(_take(corpus.ids, keep), dtype="str"),
+        "split": pd.array(split, dtype="str"),
+        "cluster_id": np.asarray(corpus.cluster_ids, dtype=np.int64)[keep],
+        "unit_id": unit[keep],
+        "group": pd.array(pd.Series(_take(corpus.groups, keep), dtype=object), dtype="str"),
+    })
+    quarantine = pd.concat([quarantined, _quarantine_rows(corpus, held_now, comp, reach,
+                                                          np.stack([newer, older], axis=1))],
+                           ignore_index=True)
+    warnings = [audit["message"]] if audit["message"] else []
+    units = np.unique(unit[keep])
+    split_of_unit = np.zeros(len(units), dtype=np.int64)
+    split_of_unit[np.searchsorted(units, unit[keep])] = split_idx[keep]
+    summary = _counts(frame.assign(unit_id=np.searchsorted(units, unit[keep])),
+                      _take(corpus.labels, keep), split_of_unit, links, audit)
+    summary.update({"new_documents": int(new.sum()), "joined_earlier_units": len(joiners),
+                    "new_units": len(np.unique(unit[fresh])),
+                    "new_in_split": {s: int((split_idx[fresh] == i).sum()
+                                            + (split_idx[joiners] == i).sum())
+                                     for i, s in enumerate(SPLITS)},
+                    "quarantined_new": len(held_now), "quarantined": len(quarantine),
+                    "no_longer_present": int((~active).sum()),
+                    "changed_kept_split": int((split_idx[changed_pos]
+                                               == was_split[changed_pos]).sum()),
+                    "moved": 0})
+    return SplitResult(frame, summary, warnings, audit), quarantine
+
+
+def _take(values: Sequence, rows: np.ndarray) -> list:
+    return [values[i] for i in rows]
+
+
+def _allocate_more(counts: np.ndarray, filled: np.ndarray, cfg: SplitConfig) -> np.ndarray:
+    """Split per new unit, given what the splits already hold: (units,) int64.
+
+    As `_allocate` without the coverage deal: largest units first (seeded shuffle among
+    equal sizes) to the split whose per-label deficits against the whole corpus' targets
+    they fill most."""
+    fractions = np.array([cfg.train, cfg.val, cfg.test], dtype=np.float64)
+    target = fractions[:, None] * (filled.sum(axis=0) + counts.sum(axis=0))[None, :]
+    sizes = counts.sum(axis=1)
+    shuffled = np.random.default_rng(cfg.seed).permutation(len(sizes))
+    order = shuffled[np.argsort(-sizes[shuffled], kind="stable")]
+    split_of_unit = np.full(len(sizes), -1, dtype=np.int64)
+    filled = filled.copy()
+    for u in order:
+        deficit = target - filled
+        gain = np.minimum(counts[u], np.maximum(deficit, 0.0)).sum(axis=1)
+        best = np.flatnonzero(gain >= gain.max() - 1e-9)
+        split = best[np.argmax(deficit[best].sum(axis=1))]
+        split_of_unit[u] = split
+        filled[split] += counts[u]
+    return split_of_unit
+
+
+def _quarantine_rows(corpus: SplitCorpus, rows: np.ndarray, comp: np.ndarray,
+                     reach: np.ndarray, links: np.ndarray) -> pd.DataFrame:
+    """Why each newly quarantined document is held out: the earlier splits its connected new
+    documents reach (`reach`, per component), and a few of the earlier documents they touch
+    (`links`: (new, earlier) pairs)."""
+    out = []
+    for i in rows:
+        reached = [s for s, hit in zip(SPLITS, reach[comp[i]], strict=False) if hit]
+        reason = ("related to earlier documents in " + " and ".join(sorted(reached))
+                  if len(reached) > 1 else "related to a quarantined document")
+        touched = sorted(set(links[comp[links[:, 0]] == comp[i], 1].tolist()))[:5]
+        out.append((str(corpus.ids[i]), reason, ",".join(sorted(reached)),
+                    ",".join(str(corpus.ids[m]) for m in touched)))
+    return pd.DataFrame(out, columns=list(QUARANTINE_COLUMNS)).astype("string")
