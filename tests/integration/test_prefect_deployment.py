@@ -72,6 +72,16 @@ def _prefect(env, *args: str, timeout: float = 300) -> str:
     return out.stdout
 
 
+def _api(env, path: str, body: dict | None = None):
+    """The server's REST API (what the CLI and UI read); checks read through it, the steps a
+    user takes (deploy, run, worker) go through the CLI."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(f"{env['PREFECT_API_URL']}/{path}", data=data,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        return json.load(resp)
+
+
 def _run_and_wait(env, deployment: str, params: dict, timeout: float = 420) -> dict:
     """Trigger a deployment, let a run-once worker execute it, return the final flow-run state."""
     args = ["deployment", "run", deployment]
@@ -82,7 +92,7 @@ def _run_and_wait(env, deployment: str, params: dict, timeout: float = 420) -> d
     _prefect(env, "worker", "start", "--pool", "selfsup-process", "--run-once", timeout=timeout)
     deadline = time.monotonic() + 60
     while True:
-        state = json.loads(_prefect(env, "flow-run", "inspect", run_id, "--output", "json"))
+        state = _api(env, f"flow_runs/{run_id}")
         if (state["state"]["type"] in {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
                 or time.monotonic() > deadline):
             return state
@@ -93,10 +103,10 @@ def test_deploy_schedule_and_rerun_one_stage(prefect_server, tmp_path):
     env, _ = prefect_server
     _prefect(env, "work-pool", "create", "selfsup-process", "--type", "process")
     _prefect(env, "deploy", "--all")
-    listed = _prefect(env, "deployment", "ls")
-    assert "weekly" in listed and "rerun-stage" in listed
-    scoring = _prefect(env, "deployment", "inspect", "selfsup-predict/nightly-scoring")
-    assert "'active': False" in scoring  # the nightly schedule ships paused
+    listed = {d["name"] for d in _api(env, "deployments/filter", {})}
+    assert {"weekly", "rerun-stage", "nightly-scoring"} <= listed
+    scoring = _api(env, "deployments/name/selfsup-predict/nightly-scoring")
+    assert [s["active"] for s in scoring["schedules"]] == [False]  # the nightly ships paused
 
     workdir = tmp_path / "wd"
     # The sentence-embedding baseline is the tiny run's slowest stage and has its own tests.
@@ -127,5 +137,7 @@ def test_deploy_schedule_and_rerun_one_stage(prefect_server, tmp_path):
     assert scored["state"]["type"] == "COMPLETED", scored["state"]
     assert out.is_file() and (tmp_path / "scored" / "latest.rejects.csv").is_file()
     assert len(pd.read_parquet(out)) == 2
-    summary = _prefect(env, "artifact", "inspect", "selfsup-predictions", "-o", "json")
+    artifacts = _api(env, "artifacts/filter",
+                     {"artifacts": {"key": {"any_": ["selfsup-predictions"]}}})
+    summary = " ".join(a["data"] for a in artifacts)
     assert "3 documents read" in summary and "| label | documents |" in summary
