@@ -59,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="rerun this stage even if up to date; downstream reruns if its inputs "
                           "change (repeatable)")
     run.add_argument("--no-tracking", action="store_true", help="do not log to MLflow")
+    run.add_argument("--new-lineage", action="store_true",
+                     help="treat the corpus as new: rebuild dedup and splits from scratch "
+                          "instead of extending the workdir's last corpus version (a grown "
+                          "corpus otherwise keeps every earlier document's split)")
     run.add_argument("--executor", choices=EXECUTORS, default="local",
                      help="where sharded stages (ingest, dedup, encode) run their shard tasks: "
                           "in this process, a thread pool, or Dask (a local cluster, or "
@@ -160,7 +164,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
                             only=args.only, from_stage=args.from_stage, to_stage=args.to_stage,
                             force=args.force, tracking=not args.no_tracking,
                             executor=sharding.executor, shards=sharding.shards,
-                            workers=sharding.workers, dask_address=sharding.dask_address)
+                            workers=sharding.workers, dask_address=sharding.dask_address,
+                            new_lineage=args.new_lineage)
     for r in results:
         print(f"  {r['stage']:<10} {r['status']:<8} {r['duration_s']:7.1f}s  {r['reason']}")
     _print_comparison(Path(args.workdir) / "compare")
@@ -208,12 +213,16 @@ def _native_startup_logs_held() -> Iterator[None]:
 
 
 def _cmd_stages(args: argparse.Namespace) -> int:
+    from flows.versions import open_lineage
     from tasks.registry import PIPELINE
     from tasks.stage import RunContext, check_stage
 
     settings = _settings(args)
+    lineage = open_lineage(Path(args.workdir), settings.config, settings.corpus_format,
+                           quiet=True)
     ctx = RunContext(workdir=Path(args.workdir), config=settings.config, corpus=settings.corpus,
-                     corpus_format=settings.corpus_format)
+                     corpus_format=settings.corpus_format, lineage=lineage.lineage,
+                     previous=lineage.previous)
     for spec in PIPELINE:
         status, why = check_stage(spec, ctx)
         print(f"{spec.name:<10} {status:<10} {why}")

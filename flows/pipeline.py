@@ -14,6 +14,7 @@ from flows.lock import workdir_lock
 from flows.predict import label_counts_markdown, run_predict
 from flows.settings import RunSettings, changed_keys, read_settings, write_settings
 from flows.tracking import PipelineTracking, Tracker, default_tracking_uri, flatten
+from flows.versions import commit_version, open_lineage, read_lineage
 from selfsup_model.config import DEFAULT_WORKDIR, CorpusFormat, PipelineConfig
 from selfsup_model.errors import UserError
 from selfsup_model.presets import build_config, deep_merge, parse_override, validate_config
@@ -53,9 +54,14 @@ def run_pipeline(
     preset: str = "custom",
     tracking: bool = True,
     sharding: Sharding | None = None,
+    new_lineage: bool = False,
 ) -> list[StageResult]:
     """Visit `stages` in order under the workdir lock, tracked in one MLflow parent run;
-    sharded stages send their shard tasks where `sharding` says (in this process by default)."""
+    sharded stages send their shard tasks where `sharding` says (in this process by default).
+
+    A grown corpus extends the workdir's last complete corpus version (`flows.versions`);
+    `new_lineage` starts a new lineage instead (ingest, dedup and split rebuilt). A finished
+    run records its version last."""
     sharding = sharding or Sharding()
     stages = stages or list(STAGE_NAMES)
     # Several training processes (Keras' launch variables) join before any JAX computation.
@@ -69,6 +75,9 @@ def run_pipeline(
     wd = Path(workdir)
     with workdir_lock(wd), open_fan_out(sharding) as fan_out:
         _record_settings(wd, RunSettings(str(corpus), corpus_format, preset, config))
+        lineage = open_lineage(wd, config, corpus_format, new_lineage)
+        if new_lineage:
+            force = [*force, "ingest", "dedup", "split"]
         tracker = parent = None
         if tracking:
             tracker = Tracker(default_tracking_uri(wd), config.experiment,
@@ -83,7 +92,8 @@ def run_pipeline(
             })
             tracker.log_params(parent, flatten("", config.model_dump(mode="json")))
         ctx = RunContext(workdir=wd, config=config, corpus=str(corpus), corpus_format=corpus_format,
-                         force=frozenset(force), fan_out=fan_out,
+                         force=frozenset(force), fan_out=fan_out, lineage=lineage.lineage,
+                         previous=lineage.previous,
                          tracking=(PipelineTracking(tracker, parent, config.registered_model)
                                    if tracker else None))
         tasks = stage_tasks()
@@ -91,11 +101,15 @@ def run_pipeline(
         try:
             for name in stages:
                 results.append(tasks[name](ctx))
+            version = commit_version(wd, lineage)  # the version switch: the run's last write
         except BaseException:
             if tracker:
                 tracker.end_run(parent, "FAILED")
             raise
         if tracker:
+            if version is not None:
+                tracker.set_tags(parent, {"selfsup.lineage": read_lineage(wd)["lineage"],
+                                          "selfsup.corpus_version": str(version)})
             tracker.end_run(parent, "FINISHED")
         joined.release()  # other training processes, if any, may exit
         return results
@@ -145,9 +159,13 @@ def pipeline_flow(
     shards: int | None = None,
     workers: int | None = None,
     dask_address: str | None = None,
+    new_lineage: bool = False,
 ) -> list[dict[str, Any]]:
     """Run the selfsup pipeline: ingest -> ... -> compare, skipping stages that are up to date.
 
+    A corpus that grew since the workdir's last run makes its next version: only the new
+    documents are deduplicated and placed, and no document changes split; new_lineage
+    rebuilds from scratch instead (docs/operations.md "A corpus that grows").
     executor/shards/workers/dask_address choose where sharded stages run their shard tasks
     (`flows.executors`); they never change an output."""
     cfg = resolve_config(preset, config, overrides or [])
@@ -157,7 +175,7 @@ def pipeline_flow(
         force.append(from_stage)
     results = run_pipeline(cfg, corpus, corpus_format, workdir,
                            select_stages(only, from_stage, to_stage), force, preset,
-                           tracking=tracking, sharding=sharding)
+                           tracking=tracking, sharding=sharding, new_lineage=new_lineage)
     return [r.__dict__ for r in results]
 
 

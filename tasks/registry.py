@@ -23,9 +23,11 @@ LABELLED_INPUTS = tuple(f"encode/{split}_{suffix}" for split in SPLITS
 
 
 def _corpus_fingerprint(ctx: RunContext) -> dict[str, Any]:
+    """The corpus as it is now, and the lineage it grows (a new lineage reruns ingest)."""
     from selfsup_model.corpus.ingest import corpus_fingerprint
 
-    return {"corpus": corpus_fingerprint(ctx.corpus, ctx.corpus_format, ctx.config.ingest)}
+    return {"corpus": corpus_fingerprint(ctx.corpus, ctx.corpus_format, ctx.config.ingest),
+            **({"lineage": ctx.lineage} if ctx.lineage else {})}
 
 
 def _init_source(ctx: RunContext, artifact: str) -> dict[str, Any]:
@@ -68,14 +70,17 @@ def _baseline_extras(ctx: RunContext) -> dict[str, Any]:
 
 
 PIPELINE: tuple[StageSpec, ...] = (
-    StageSpec("ingest", inputs=(), sections=("ingest",), extra_params=_corpus_fingerprint),
-    StageSpec("dedup", inputs=("ingest/documents.parquet",), sections=("dedup",)),
-    StageSpec("split", inputs=("ingest/documents.parquet", "dedup/clusters.parquet",
-                               "dedup/signatures.npy"),
+    StageSpec("ingest", inputs=(), sections=("ingest",), extra_params=_corpus_fingerprint,
+              version=2),  # v2: version.json, the last version's documents first
+    StageSpec("dedup", inputs=("ingest/documents.parquet", "ingest/version.json"),
+              sections=("dedup",), version=2),  # v2: digests.npy, incremental versions
+    StageSpec("split", inputs=("ingest/documents.parquet", "ingest/version.json",
+                               "dedup/clusters.parquet", "dedup/signatures.npy"),
               sections=("split", "dedup"),
-              # v4: units band the signatures twice (fewer missed relations), checks bounded
-              # per bucket; v3: higher-recall unit building, a regrouped audit
-              version=4),
+              # v5: quarantine.parquet, incremental versions; v4: units band the signatures
+              # twice (fewer missed relations), checks bounded per bucket; v3: higher-recall
+              # unit building, a regrouped audit
+              version=5),
     StageSpec("tokenizer", inputs=("ingest/documents.parquet", "split/assignments.parquet"),
               # Only a continued run's parameters grow (the leak check's): other runs stay fresh.
               sections=("tokenizer",), extra_params=_tokenizer_extras),

@@ -96,6 +96,10 @@ class RunContext:
     stage_run: str | None = None  # the tracked run of the stage being computed
     # where sharded stages run their shard tasks; not a parameter of any output
     fan_out: FanOut = IN_PROCESS
+    # the corpus lineage (`flows.versions`) and the snapshot of its last complete version,
+    # which a grown corpus extends (None: no earlier version, or a new lineage)
+    lineage: str | None = None
+    previous: Path | None = None
 
     def metric_logger(self) -> LogFn | None:
         """Per-step metric logging into the current stage's run, or None when untracked."""

@@ -24,7 +24,7 @@ import re
 import tempfile
 import unicodedata
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -330,7 +330,7 @@ def judge_shard(data: FileData | StagedData | HeldData, cfg: IngestConfig,
 def ingest_records(
     records: Iterable[RawRecord], cfg: IngestConfig, corpus_name: str, *,
     root: Path | None = None, fan_out: FanOut | None = None, scratch: Path | None = None,
-    progress: Progress | None = None,
+    progress: Progress | None = None, first_ids: Sequence[str] = (),
 ) -> IngestResult:
     """Judge every record; the first document with a given id (or identical text) wins.
 
@@ -343,6 +343,9 @@ def ingest_records(
     Byte-identical copies (after normalisation) are rejected here as duplicate_text,
     naming the kept document; copies that differ only in case or punctuation, and
     near-duplicates, are the dedup stage's job.
+
+    `first_ids` (a grown corpus: the last version's documents, in its order) are placed
+    first, so an earlier document keeps its id and text against any newcomer.
     """
     records = list(records)
     fan_out = fan_out or InProcess()
@@ -365,6 +368,13 @@ def ingest_records(
     reasons = [r for shard in judged for r in shard.reasons]
     details = [d for shard in judged for d in shard.details]
     digests = np.concatenate([s.digests for s in judged]) if judged else np.zeros(0, "V16")
+    if len(first_ids):
+        rank = pd.Index(pd.Series(list(first_ids), dtype=object)).get_indexer(
+            pd.Series([r.id for r in records], dtype=object))
+        order = np.lexsort((np.arange(len(records)), np.where(rank >= 0, rank, len(first_ids))))
+        records = [records[i] for i in order]
+        texts, reasons, details = ([seq[i] for i in order] for seq in (texts, reasons, details))
+        digests = digests[order]
     return _first_occurrences(records, texts, reasons, details, digests, corpus_name)
 
 
@@ -454,7 +464,8 @@ def _table_columns(path: Path) -> list[str]:
 
 def ingest_corpus(corpus: str, fmt: CorpusFormat, cfg: IngestConfig, *,
                   fan_out: FanOut | None = None, scratch: Path | None = None,
-                  progress: Progress | None = None) -> IngestResult:
+                  progress: Progress | None = None,
+                  first_ids: Sequence[str] = ()) -> IngestResult:
     """Read and judge a whole corpus (folder, table or 'pydocs'); see `ingest_records`."""
     kind = detect_format(corpus, fmt)
     root = None
@@ -466,7 +477,7 @@ def ingest_corpus(corpus: str, fmt: CorpusFormat, cfg: IngestConfig, *,
     else:
         records = iter_table(Path(corpus), cfg)
     return ingest_records(records, cfg, corpus, root=root, fan_out=fan_out, scratch=scratch,
-                          progress=progress)
+                          progress=progress, first_ids=first_ids)
 
 
 def corpus_fingerprint(corpus: str, fmt: CorpusFormat, cfg: IngestConfig) -> dict[str, object]:

@@ -17,13 +17,11 @@ import pandas as pd
 
 from selfsup_model.config import DedupConfig, SplitConfig
 from selfsup_model.corpus.lsh import (
-    UNIT_MISS_WEIGHT,
     CrossLabelPlan,
     PairJudge,
     band_buckets,
-    band_keys,
-    lsh_params,
-    query_pairs,
+    query_candidates,
+    relatedness_banding,
 )
 from selfsup_model.corpus.minhash import Progress
 from selfsup_model.errors import UserError
@@ -55,16 +53,14 @@ def cross_split_leaks(
     judge already found unrelated (unit building's verdicts) are not judged again.
     With `new` (n,) bool, only pairs with a new document are candidates (a grown corpus:
     earlier pairs were audited when their version was made)."""
-    signatures, threshold = judge.signatures, judge.threshold
-    columns = np.random.default_rng(AUDIT_COLUMN_SEED).permutation(signatures.shape[1])
-    bands_rows = lsh_params(threshold, signatures.shape[1], UNIT_MISS_WEIGHT)
+    signatures, bands_rows = relatedness_banding(judge.signatures, judge.threshold,
+                                                 AUDIT_COLUMN_SEED)
     if new is None:
-        members, bounds = band_buckets(signatures, bands_rows, columns)
+        members, bounds = band_buckets(signatures, bands_rows)
         plan = CrossLabelPlan(members, bounds, is_train.astype(np.int64))
         chunks, total = plan.chunks(_PAIR_BUDGET), plan.total
     else:
-        chunks = _touching((pairs for keys in band_keys(signatures[:, columns], *bands_rows)
-                            for pairs in query_pairs(keys, new, _PAIR_BUDGET)), is_train)
+        chunks = _touching(query_candidates(signatures, bands_rows, new, _PAIR_BUDGET), is_train)
         total = 0  # not known before the pairs are cut
     found, done, before = [], 0, dict(judge.counts)
     for pairs in chunks:

@@ -102,6 +102,24 @@ def query_pairs(keys: np.ndarray, is_query: np.ndarray, budget: int = 1 << 20):
         yield np.stack([left, order[ragged_arange(start[pos[lo:hi]], count[lo:hi])]], axis=1)
 
 
+def relatedness_banding(signatures: np.ndarray, threshold: float,
+                        column_seed: int | None = None) -> tuple[np.ndarray, tuple[int, int]]:
+    """The signatures to band for relatedness (columns in a seeded order when `column_seed`
+    is given, so the same hashes form other bands) and their (bands, rows) at
+    UNIT_MISS_WEIGHT."""
+    if column_seed is not None:
+        columns = np.random.default_rng(column_seed).permutation(signatures.shape[1])
+        signatures = signatures[:, columns]
+    return signatures, lsh_params(threshold, signatures.shape[1], UNIT_MISS_WEIGHT)
+
+
+def query_candidates(signatures: np.ndarray, bands_rows: tuple[int, int], is_query: np.ndarray,
+                     budget: int = 1 << 20):
+    """Every band's bucket-mate pairs with a query document (`query_pairs`), in chunks."""
+    for keys in band_keys(signatures, *bands_rows):
+        yield from query_pairs(keys, is_query, budget)
+
+
 def candidate_pairs(
     signatures: np.ndarray, threshold: float, bands_rows: tuple[int, int] | None = None
 ) -> np.ndarray:

@@ -31,13 +31,11 @@ from selfsup_model.config import SPLITS, DedupConfig, SplitConfig
 from selfsup_model.corpus.graph import components, first_seen_ids, same_code_pairs, value_codes
 from selfsup_model.corpus.leakage import leakage_audit
 from selfsup_model.corpus.lsh import (
-    UNIT_MISS_WEIGHT,
     CrossLabelPlan,
     PairJudge,
     band_buckets,
-    band_keys,
-    lsh_params,
-    query_pairs,
+    query_candidates,
+    relatedness_banding,
 )
 from selfsup_model.corpus.minhash import Progress
 from selfsup_model.errors import ArtifactError, UserError
@@ -117,10 +115,10 @@ def _link(judge: PairJudge, pairs: np.ndarray, unit: np.ndarray) -> np.ndarray:
 
 def _unit_buckets(signatures: np.ndarray, threshold: float) -> tuple[np.ndarray, np.ndarray]:
     """Buckets of both of unit building's bandings: members (e,) and bounds (b + 1,)."""
-    bands_rows = lsh_params(threshold, signatures.shape[1], UNIT_MISS_WEIGHT)
-    columns = np.random.default_rng(UNIT_COLUMN_SEED).permutation(signatures.shape[1])
-    first, first_bounds = band_buckets(signatures, bands_rows)
-    second, second_bounds = band_buckets(signatures, bands_rows, columns)
+    plain, bands_rows = relatedness_banding(signatures, threshold)
+    reordered, _ = relatedness_banding(signatures, threshold, UNIT_COLUMN_SEED)
+    first, first_bounds = band_buckets(plain, bands_rows)
+    second, second_bounds = band_buckets(reordered, bands_rows)
     bounds = np.r_[first_bounds, first_bounds[-1] + second_bounds[1:]]
     return np.r_[first, second], bounds
 
@@ -215,21 +213,34 @@ def _allocate(counts: np.ndarray, cfg: SplitConfig) -> np.ndarray:
     fractions = np.array([cfg.train, cfg.val, cfg.test], dtype=np.float64)
     target = fractions[:, None] * counts.sum(axis=0)[None, :]  # (3, L) docs per split and label
     sizes = counts.sum(axis=1)
-    shuffled = np.random.default_rng(cfg.seed).permutation(len(sizes))
-    order = shuffled[np.argsort(-sizes[shuffled], kind="stable")]
+    order = _largest_first(sizes, cfg.seed)
     split_of_unit = np.full(len(sizes), -1, dtype=np.int64)
     _deal_for_coverage(order, counts, target, split_of_unit)
     filled = np.zeros_like(target)
     for u in np.flatnonzero(split_of_unit >= 0):
         filled[split_of_unit[u]] += counts[u]
-    for u in order[split_of_unit[order] < 0]:
+    _fill_deficits(order[split_of_unit[order] < 0], counts, target, filled, split_of_unit)
+    return split_of_unit
+
+
+def _largest_first(sizes: np.ndarray, seed: int) -> np.ndarray:
+    """Unit order: largest first, a seeded shuffle among equal sizes."""
+    shuffled = np.random.default_rng(seed).permutation(len(sizes))
+    return shuffled[np.argsort(-sizes[shuffled], kind="stable")]
+
+
+def _fill_deficits(order: np.ndarray, counts: np.ndarray, target: np.ndarray,
+                   filled: np.ndarray, split_of_unit: np.ndarray) -> None:
+    """Each unit of `order` in turn to the split whose per-label deficits it fills most (ties:
+    the split furthest below its target overall, then train, val, test); updates `filled` and
+    `split_of_unit` in place."""
+    for u in order:
         deficit = target - filled  # (3, L)
         gain = np.minimum(counts[u], np.maximum(deficit, 0.0)).sum(axis=1)
         best = np.flatnonzero(gain >= gain.max() - 1e-9)
         split = best[np.argmax(deficit[best].sum(axis=1))]
         split_of_unit[u] = split
         filled[split] += counts[u]
-    return split_of_unit
 
 
 def _missing_label_warnings(
@@ -344,13 +355,9 @@ def _new_unit_edges(corpus: SplitCorpus, new: np.ndarray, cfg: SplitConfig,
         edges.append(same_code_pairs(value_codes(corpus.groups)))
     shared = np.concatenate(edges)
     shared = shared[new[shared[:, 0]] | new[shared[:, 1]]]
-    bands_rows = lsh_params(cfg.relatedness_threshold, corpus.signatures.shape[1],
-                            UNIT_MISS_WEIGHT)
-    columns = np.random.default_rng(UNIT_COLUMN_SEED).permutation(corpus.signatures.shape[1])
-    related = [judge.related(pairs)[0]
-               for sig in (corpus.signatures, corpus.signatures[:, columns])
-               for keys in band_keys(sig, *bands_rows)
-               for pairs in query_pairs(keys, new, _PAIR_BUDGET)]
+    related = [judge.related(pairs)[0] for seed in (None, UNIT_COLUMN_SEED)
+               for pairs in query_candidates(*relatedness_banding(
+                   corpus.signatures, cfg.relatedness_threshold, seed), new, _PAIR_BUDGET)]
     return np.concatenate([shared, *related]), dict(judge.counts)
 
 
@@ -408,6 +415,9 @@ def extend_splits(
     first_unit = np.full(len(reach), np.iinfo(np.int64).max)
     placed = split_idx[older] < len(SPLITS)
     np.minimum.at(first_unit, comp[newer[placed]], unit[older[placed]])
+    was_placed = changed_pos[(was_split[changed_pos] >= 0)
+                             & (was_split[changed_pos] < len(SPLITS))]
+    np.minimum.at(first_unit, comp[was_placed], unit[was_placed])  # a changed text's unit
     newcomers = np.flatnonzero(new)
     reached = reach[comp[newcomers]]  # (k, 4)
     joins = (reached.sum(axis=1) == 1) & ~reached[:, len(SPLITS)]
@@ -484,18 +494,9 @@ def _allocate_more(counts: np.ndarray, filled: np.ndarray, cfg: SplitConfig) -> 
     they fill most."""
     fractions = np.array([cfg.train, cfg.val, cfg.test], dtype=np.float64)
     target = fractions[:, None] * (filled.sum(axis=0) + counts.sum(axis=0))[None, :]
-    sizes = counts.sum(axis=1)
-    shuffled = np.random.default_rng(cfg.seed).permutation(len(sizes))
-    order = shuffled[np.argsort(-sizes[shuffled], kind="stable")]
-    split_of_unit = np.full(len(sizes), -1, dtype=np.int64)
-    filled = filled.copy()
-    for u in order:
-        deficit = target - filled
-        gain = np.minimum(counts[u], np.maximum(deficit, 0.0)).sum(axis=1)
-        best = np.flatnonzero(gain >= gain.max() - 1e-9)
-        split = best[np.argmax(deficit[best].sum(axis=1))]
-        split_of_unit[u] = split
-        filled[split] += counts[u]
+    split_of_unit = np.full(len(counts), -1, dtype=np.int64)
+    _fill_deficits(_largest_first(counts.sum(axis=1), cfg.seed), counts, target, filled.copy(),
+                   split_of_unit)
     return split_of_unit
 
 

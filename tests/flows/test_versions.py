@@ -1,0 +1,145 @@
+"""A workdir whose corpus grows: versions, splits that never move, the version switch."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from flows.pipeline import run_pipeline
+from flows.versions import read_lineage
+from selfsup_model.presets import build_config
+
+CORPUS_STAGES = ["ingest", "dedup", "split"]
+# Word sets, so that the Jaccard of a constructed text is exact by hand (A + B: 1/2 with each).
+WORDS = ["dedup.shingle=word", "dedup.shingle_size=1"]
+
+
+def config(*overrides: str):
+    return build_config("tiny", overrides=[*WORDS, *overrides])
+
+
+def words(prefix: str, n: int = 12) -> list[str]:
+    return [f"{prefix}{j}" for j in range(n)]
+
+
+def write(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+
+
+@pytest.fixture
+def first_rows():
+    return [{"id": f"d{i}", "text": " ".join(words(f"t{i}_")), "label": f"c{i % 2}"}
+            for i in range(60)]
+
+
+def run(corpus, wd, **kw):
+    return {r.stage: r for r in run_pipeline(config(), str(corpus), workdir=str(wd),
+                                             stages=CORPUS_STAGES, tracking=False, **kw)}
+
+
+def splits(wd) -> pd.Series:
+    return pd.read_parquet(wd / "split" / "assignments.parquet").set_index("id")["split"]
+
+
+def test_a_grown_corpus_is_the_next_version_and_nothing_moves(first_rows, tmp_path, caplog):
+    corpus, wd = tmp_path / "corpus.jsonl", tmp_path / "wd"
+    write(corpus, first_rows)
+    run(corpus, wd)
+    before = splits(wd)
+    train = before[before == "train"].index[0]
+    test, other_test = before[before == "test"].index[:2]
+    text = {r["id"]: r["text"] for r in first_rows}
+    grown = [r for r in first_rows if r["id"] != "d59"]  # retired
+    changed = next(r for r in grown if r["id"] == other_test)
+    changed["text"] += " and one more"  # a changed text keeps its split
+    grown += [
+        {"id": "near_test", "text": " ".join(text[test].split()[:-2] + ["x", "y"]),
+         "label": "c0"},  # related to a test document (J = 10/14): joins test
+        {"id": "bridge", "text": text[train] + " " + text[test], "label": "c1"},  # quarantined
+        *({"id": f"n{i}", "text": " ".join(words(f"new{i}_")), "label": f"c{i % 2}"}
+          for i in range(8)),
+    ]
+    write(corpus, grown)
+    with caplog.at_level(logging.INFO, logger="selfsup"):
+        second = run(corpus, wd)
+    assert "lineage" in caplog.text and "version 1 is the last complete one" in caplog.text
+    after = splits(wd)
+    kept = before.index.intersection(after.index)
+    assert len(kept) == 59 and (after[kept] == before[kept]).all()  # nobody moved
+    assert after[other_test] == "test"  # its text changed
+    assert after["near_test"] == "test"
+    assert "bridge" not in after.index and "d59" not in after.index
+    held = pd.read_parquet(wd / "split" / "quarantine.parquet").set_index("id")
+    assert held.loc["bridge", "reason"] == "related to earlier documents in test and train"
+    counts = second["ingest"].counts
+    assert (counts["version_new"], counts["version_changed"], counts["version_retired"]) == (
+        10, 1, 1)
+    assert second["split"].counts["quarantined_new"] == 1
+    state = read_lineage(wd)
+    assert [v["version"] for v in state["versions"]] == [1, 2]
+    assert state["versions"][1]["counts"] == {"unchanged": 58, "new": 10, "changed": 1,
+                                              "retired": 1, "documents": 69}
+    snapshot = wd / "versions" / state["lineage"] / "v0001" / "split" / "assignments.parquet"
+    assert pd.read_parquet(snapshot).set_index("id")["split"].equals(before)
+
+    again = run(corpus, wd)  # nothing new: nothing reruns, the version stays
+    assert {r.status for r in again.values()} == {"skipped"}
+    assert [v["version"] for v in read_lineage(wd)["versions"]] == [1, 2]
+
+
+def test_a_run_that_fails_leaves_the_last_version_and_a_rerun_completes(
+        first_rows, tmp_path, monkeypatch):
+    corpus, wd = tmp_path / "corpus.jsonl", tmp_path / "wd"
+    write(corpus, first_rows)
+    run(corpus, wd)
+    write(corpus, first_rows + [{"id": "n0", "text": " ".join(words("new_")), "label": "c0"}])
+    import tasks.split
+
+    def dies(*args, **kwargs):
+        raise KeyboardInterrupt  # as a stop during the split of the new version
+
+    monkeypatch.setattr(tasks.split, "extend_splits", dies)
+    with pytest.raises(KeyboardInterrupt):
+        run(corpus, wd)
+    assert [v["version"] for v in read_lineage(wd)["versions"]] == [1]
+    monkeypatch.undo()
+    result = run(corpus, wd)
+    assert [r.status for r in result.values()] == ["skipped", "skipped", "ran"]
+    assert [v["version"] for v in read_lineage(wd)["versions"]] == [1, 2]
+    assert "n0" in splits(wd).index
+
+
+def test_a_setting_that_shapes_the_split_starts_a_new_lineage_in_one_line(
+        first_rows, tmp_path, caplog):
+    corpus, wd = tmp_path / "corpus.jsonl", tmp_path / "wd"
+    write(corpus, first_rows)
+    run(corpus, wd)
+    first = read_lineage(wd)["lineage"]
+    with caplog.at_level(logging.INFO, logger="selfsup.versions"):
+        rows = run_pipeline(config("split.seed=8"), str(corpus),
+                            workdir=str(wd), stages=CORPUS_STAGES, tracking=False)
+    lines = [r.getMessage() for r in caplog.records if "new lineage" in r.getMessage()]
+    assert len(lines) == 1 and "split.seed" in lines[0]
+    assert [r.status for r in rows] == ["ran", "ran", "ran"]
+    state = read_lineage(wd)
+    assert state["lineage"] != first and [v["version"] for v in state["versions"]] == [1]
+    assert not json.loads((wd / "ingest" / "version.json").read_text())["extends"]
+
+
+def test_new_lineage_rebuilds_the_split_from_scratch(first_rows, tmp_path):
+    corpus, wd, fresh = tmp_path / "corpus.jsonl", tmp_path / "wd", tmp_path / "fresh"
+    write(corpus, first_rows)
+    run(corpus, wd)
+    write(corpus, first_rows + [{"id": f"n{i}", "text": " ".join(words(f"new{i}_")),
+                                 "label": "c0"} for i in range(6)])
+    run(corpus, wd, new_lineage=True)
+    run(corpus, fresh)
+    for name in ("ingest/documents.parquet", "dedup/clusters.parquet",
+                 "split/assignments.parquet"):
+        assert (wd / name).read_bytes() == (fresh / name).read_bytes(), name
+    assert np.array_equal(np.load(wd / "dedup" / "digests.npy"),
+                          np.load(fresh / "dedup" / "digests.npy"))
