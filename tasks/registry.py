@@ -81,7 +81,8 @@ PIPELINE: tuple[StageSpec, ...] = (
               # twice (fewer missed relations), checks bounded per bucket; v3: higher-recall
               # unit building, a regrouped audit
               version=5),
-    StageSpec("tokenizer", inputs=("ingest/documents.parquet", "split/assignments.parquet"),
+    StageSpec("tokenizer", inputs=("ingest/documents.parquet", "split/assignments.parquet",
+                                   "ingest/version.json"),
               # Only a continued run's parameters grow (the leak check's): other runs stay fresh.
               sections=("tokenizer",), extra_params=_tokenizer_extras),
     StageSpec("encode", inputs=("ingest/documents.parquet", "split/assignments.parquet",

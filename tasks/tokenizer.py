@@ -1,5 +1,6 @@
 """tokenizer: fitted on the training split only (or, continuing another run's pretraining, \
-that run's, after checking that run's lineage never pretrained on this run's val/test) -> \
+that run's, after checking that run's lineage never pretrained on this run's val/test; or, for \
+a grown corpus, the last corpus version's, measured on the new documents for drift) -> \
 tokenizer.json."""
 
 from __future__ import annotations
@@ -11,7 +12,11 @@ import pandas as pd
 
 from selfsup_model.artifacts import atomic_write_bytes, atomic_write_json
 from selfsup_model.corpus.splitting import documents_in_split
-from selfsup_model.pretraining.continued import InitSource, resolve_init_source
+from selfsup_model.pretraining.continued import (
+    InitSource,
+    recorded_manifest,
+    resolve_init_source,
+)
 from selfsup_model.text.tokenization import (
     fit_tokenizer,
     load_tokenizer,
@@ -19,6 +24,7 @@ from selfsup_model.text.tokenization import (
     tokenizer_stats,
 )
 from tasks.stage import RunContext, StageOutput, progress_logger
+from tasks.versions import extended_snapshot, snapshot_documents, snapshot_file
 
 log = logging.getLogger("selfsup.tokenizer")
 
@@ -42,11 +48,57 @@ def _check_source(ctx: RunContext, source: InitSource, docs: pd.DataFrame,
     return audit
 
 
+# A kept tokenizer drifts when its unknown-token rate on a version's new documents exceeds
+# the rate on the validation split it was fitted for by more than this (absolute), or its tokens
+# per word by more than this share: new vocabulary it cannot spell well.
+DRIFT_UNK_RATE = 0.01
+DRIFT_TOKENS_PER_WORD = 0.10
+
+
+def _lineage_tokenizer(ctx: RunContext, snapshot: Path, docs: pd.DataFrame,
+                       out: Path) -> tuple[dict, dict]:
+    """Keep the last corpus version's tokenizer (a new one would orphan its encoder); measure
+    it on this version's new documents against what it measured when it was fitted."""
+    from selfsup_model.corpus.versions import diff_versions
+
+    source = snapshot_file(snapshot, "tokenizer", "tokenizer.json")
+    atomic_write_bytes(out / "tokenizer.json", source.read_bytes())
+    tok = load_tokenizer(out / "tokenizer.json")
+    before = recorded_manifest(snapshot, "tokenizer", "the last corpus version").metrics
+    new_docs = docs[diff_versions(snapshot_documents(snapshot, ["id", "text"]),
+                                  docs).prev_rows < 0]
+    stats = tokenizer_stats(tok, new_docs["text"].tolist())
+    # What it measured on validation when it was fitted, carried from version to version.
+    fitted = {k: before.get(f"fitted_{k}", before.get(k, 0.0))
+              for k in ("val_unk_rate", "val_tokens_per_word")}
+    unk_rise = stats["unk_rate"] - fitted["val_unk_rate"]
+    tpw_rise = (stats["tokens_per_word"] / fitted["val_tokens_per_word"] - 1.0
+                if fitted["val_tokens_per_word"] else 0.0)
+    drift = bool(len(new_docs)) and (unk_rise > DRIFT_UNK_RATE or tpw_rise > DRIFT_TOKENS_PER_WORD)
+    if drift:
+        log.warning("tokenizer: kept from %s, but on this version's %d new documents its "
+                    "unknown-token rate is %.2f%% (%+.2f points) and tokens per word %.2f "
+                    "(%+.0f%%): past the drift thresholds (%g points, %.0f%%); a new lineage "
+                    "(selfsup run --new-lineage) fits a new tokenizer", snapshot.name,
+                    len(new_docs), 100 * stats["unk_rate"], 100 * unk_rise,
+                    stats["tokens_per_word"], 100 * tpw_rise, 100 * DRIFT_UNK_RATE,
+                    100 * DRIFT_TOKENS_PER_WORD)
+    counts = {"reused_from": snapshot.relative_to(ctx.workdir).as_posix(),
+              "new_documents": len(new_docs), "new_tokens": stats["tokens"],
+              "drift": drift}
+    metrics = {"new_unk_rate": stats["unk_rate"], "new_tokens_per_word": stats["tokens_per_word"],
+               **{f"fitted_{k}": v for k, v in fitted.items()}}
+    return counts, metrics
+
+
 def compute(ctx: RunContext, out: Path, inputs: dict[str, Path]) -> StageOutput:
     docs = pd.read_parquet(inputs["ingest/documents.parquet"], columns=["id", "text"])
     assign = pd.read_parquet(inputs["split/assignments.parquet"], columns=["id", "split"])
     init_from = ctx.config.pretrain.init_from
-    files, counts = ["tokenizer.json"], {}
+    files, counts, extra = ["tokenizer.json"], {}, {}
+    snapshot = extended_snapshot(ctx, inputs["ingest/version.json"])
+    if snapshot is not None and not (snapshot / "tokenizer" / "manifest.json").is_file():
+        snapshot = None  # the last version stopped before the tokenizer: fit one now
     if init_from:  # continued pretraining keeps the checkpoint's tokenizer and special ids
         source = resolve_init_source(init_from)
         audit = _check_source(ctx, source, docs, assign, out)
@@ -58,6 +110,9 @@ def compute(ctx: RunContext, out: Path, inputs: dict[str, Path]) -> StageOutput:
                   "source_audit_passed": audit["passed"]}
         atomic_write_bytes(out / "tokenizer.json", source.tokenizer.read_bytes())
         tok = load_tokenizer(out / "tokenizer.json")
+    elif snapshot is not None:  # a grown corpus keeps its lineage's tokenizer
+        counts, extra = _lineage_tokenizer(ctx, snapshot, docs, out)
+        tok = load_tokenizer(out / "tokenizer.json")
     else:
         tok = fit_tokenizer(documents_in_split(docs, assign, "train")["text"].tolist(),
                             ctx.config.tokenizer)
@@ -65,5 +120,6 @@ def compute(ctx: RunContext, out: Path, inputs: dict[str, Path]) -> StageOutput:
     val = tokenizer_stats(tok, documents_in_split(docs, assign, "val")["text"].tolist())
     counts = {"vocab_size": val["vocab_size"], "val_tokens": val["tokens"],
               "val_words": val["words"], "reused_from": "", **counts}
-    metrics = {"val_unk_rate": val["unk_rate"], "val_tokens_per_word": val["tokens_per_word"]}
+    metrics = {"val_unk_rate": val["unk_rate"], "val_tokens_per_word": val["tokens_per_word"],
+               **extra}
     return StageOutput(files, counts, metrics, log_artifacts=files)

@@ -143,3 +143,32 @@ def test_new_lineage_rebuilds_the_split_from_scratch(first_rows, tmp_path):
         assert (wd / name).read_bytes() == (fresh / name).read_bytes(), name
     assert np.array_equal(np.load(wd / "dedup" / "digests.npy"),
                           np.load(fresh / "dedup" / "digests.npy"))
+
+
+def test_a_grown_corpus_keeps_its_tokenizer_and_says_when_new_text_drifts(
+        first_rows, tmp_path, caplog):
+    corpus, wd = tmp_path / "corpus.jsonl", tmp_path / "wd"
+    stages = [*CORPUS_STAGES, "tokenizer"]
+    write(corpus, first_rows)
+    run_pipeline(config(), str(corpus), workdir=str(wd), stages=stages, tracking=False)
+    fitted = (wd / "tokenizer" / "tokenizer.json").read_bytes()
+    alike = [{"id": f"a{i}", "text": " ".join(words(f"t{i}_")[::-1]), "label": "c0"}
+             for i in range(100, 104)]
+    write(corpus, first_rows + alike)
+    grown = run_pipeline(config(), str(corpus), workdir=str(wd), stages=stages, tracking=False)
+    tok = grown[-1]
+    assert (wd / "tokenizer" / "tokenizer.json").read_bytes() == fitted
+    assert tok.counts["reused_from"].endswith("v0001") and tok.counts["new_documents"] == 4
+    assert not tok.counts["drift"]
+    # Letters the tokenizer never saw: [UNK] for every word of the new documents.
+    foreign = [{"id": f"f{i}", "text": " ".join(f"ψλ{i}ω{j}" for j in range(12)),
+                "label": "c1"} for i in range(4)]
+    write(corpus, first_rows + alike + foreign)
+    with caplog.at_level(logging.WARNING, logger="selfsup.tokenizer"):
+        drifted = run_pipeline(config(), str(corpus), workdir=str(wd), stages=stages,
+                               tracking=False)[-1]
+    assert drifted.counts["drift"] and drifted.counts["reused_from"].endswith("v0002")
+    assert drifted.metrics["new_unk_rate"] > 0.5
+    assert drifted.metrics["fitted_val_unk_rate"] == tok.metrics["fitted_val_unk_rate"]
+    assert "past the drift thresholds" in caplog.text
+    assert (wd / "tokenizer" / "tokenizer.json").read_bytes() == fitted
