@@ -218,11 +218,11 @@ def _cmd_stages(args: argparse.Namespace) -> int:
     from tasks.stage import RunContext, check_stage
 
     settings = _settings(args)
-    lineage = open_lineage(Path(args.workdir), settings.config, settings.corpus_format,
-                           quiet=True)
+    lineage = open_lineage(Path(args.workdir), settings.config, settings.corpus,
+                           settings.corpus_format, quiet=True)
     ctx = RunContext(workdir=Path(args.workdir), config=settings.config, corpus=settings.corpus,
                      corpus_format=settings.corpus_format, lineage=lineage.lineage,
-                     previous=lineage.previous)
+                     previous=lineage.extends)
     for spec in PIPELINE:
         status, why = check_stage(spec, ctx)
         print(f"{spec.name:<10} {status:<10} {why}")

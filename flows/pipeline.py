@@ -75,7 +75,7 @@ def run_pipeline(
     wd = Path(workdir)
     with workdir_lock(wd), open_fan_out(sharding) as fan_out:
         _record_settings(wd, RunSettings(str(corpus), corpus_format, preset, config))
-        lineage = open_lineage(wd, config, corpus_format, new_lineage)
+        lineage = open_lineage(wd, config, str(corpus), corpus_format, new_lineage)
         if new_lineage:
             force = [*force, "ingest", "dedup", "split"]
         tracker = parent = None
@@ -93,7 +93,7 @@ def run_pipeline(
             tracker.log_params(parent, flatten("", config.model_dump(mode="json")))
         ctx = RunContext(workdir=wd, config=config, corpus=str(corpus), corpus_format=corpus_format,
                          force=frozenset(force), fan_out=fan_out, lineage=lineage.lineage,
-                         previous=lineage.previous,
+                         previous=lineage.extends,
                          tracking=(PipelineTracking(tracker, parent, config.registered_model)
                                    if tracker else None))
         tasks = stage_tasks()

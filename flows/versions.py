@@ -29,6 +29,7 @@ from typing import Any
 from selfsup_model.artifacts import (
     MANIFEST_NAME,
     atomic_write_json,
+    cached_sha256,
     read_manifest,
     sha256_json,
     verify_outputs,
@@ -45,12 +46,14 @@ SHAPING_SECTIONS = ("ingest", "dedup", "split", "tokenizer")
 
 @dataclasses.dataclass(frozen=True)
 class LineageStart:
-    """Where a run stands: its lineage id, and the last complete version it extends (a
-    snapshot folder under the workdir) or None."""
+    """Where a run stands: its lineage id, the last complete version (its number, 0 when there
+    is none), and the snapshot folder the corpus stages extend: that version's, when the
+    corpus differs from it; None for a first version, a new lineage, or the very corpus of the
+    last version (which is that version, as it was made)."""
 
     lineage: str
-    previous: Path | None
-    version: int  # the last complete version's number, 0 when there is none
+    extends: Path | None
+    version: int
     settings: dict[str, Any]
 
 
@@ -82,8 +85,9 @@ def _changed(before: dict[str, Any], after: dict[str, Any], prefix: str = "") ->
     return [] if before == after else [prefix[:-1]]
 
 
-def open_lineage(workdir: Path, config: PipelineConfig, corpus_format: CorpusFormat,
-                 new_lineage: bool = False, quiet: bool = False) -> LineageStart:
+def open_lineage(workdir: Path, config: PipelineConfig, corpus: str,
+                 corpus_format: CorpusFormat, new_lineage: bool = False,
+                 quiet: bool = False) -> LineageStart:
     """The lineage this run grows; says in one line what it extends, or why it starts anew
     (unless `quiet`: a status check)."""
     say = (lambda *a: None) if quiet else log.info
@@ -91,8 +95,8 @@ def open_lineage(workdir: Path, config: PipelineConfig, corpus_format: CorpusFor
     state = read_lineage(workdir)
     if state is None:
         lineage = sha256_json(settings)[:12]
-        say("corpus versions: none yet in this workdir; this run makes version 1 of "
-                 "lineage %s", lineage)
+        say("corpus versions: none yet in this workdir; this run makes version 1 of lineage %s",
+            lineage)
         return LineageStart(lineage, None, 0, settings)
     last = state["versions"][-1]["version"] if state["versions"] else 0
     why = None
@@ -102,15 +106,26 @@ def open_lineage(workdir: Path, config: PipelineConfig, corpus_format: CorpusFor
         keys = _changed(state["settings"], settings)
         shown = ", ".join(keys[:6]) + (f" and {len(keys) - 6} more" if len(keys) > 6 else "")
         why = f"settings that shape the documents, duplicates, splits or tokens changed ({shown})"
-    if why is not None:
+    if why is not None or not last:
         lineage = f"{sha256_json(settings)[:12]}-{int(state.get('lineages', 1)) + 1}"
-        say("corpus versions: starting new lineage %s %s: every stage from ingest is "
-                 "rebuilt, nothing extends lineage %s", lineage, why, state["lineage"])
+        say("corpus versions: starting new lineage %s %s: its first version is built as for a "
+            "new corpus, nothing extends lineage %s", lineage, why or "", state["lineage"])
         return LineageStart(lineage, None, 0, settings)
-    previous = workdir / VERSIONS_DIR / state["lineage"] / f"v{last:04d}"
-    say("corpus versions: lineage %s, version %d is the last complete one; a grown "
-             "corpus extends it and no document changes split", state["lineage"], last)
-    return LineageStart(state["lineage"], previous, last, settings)
+    snapshot = workdir / VERSIONS_DIR / state["lineage"] / f"v{last:04d}"
+    made = read_manifest(snapshot / "ingest")
+    from selfsup_model.corpus.ingest import corpus_fingerprint
+
+    if made is not None and made.params.get("corpus") == corpus_fingerprint(
+            corpus, corpus_format, config.ingest):
+        extends = made.params.get("extends")  # this corpus is that version: as it was made
+        extends = None if extends is None else workdir / extends
+        say("corpus versions: lineage %s, version %d: the corpus is unchanged since",
+            state["lineage"], last)
+    else:
+        extends = snapshot
+        say("corpus versions: lineage %s, version %d is the last complete one; a grown corpus "
+            "extends it and no document changes split", state["lineage"], last)
+    return LineageStart(state["lineage"], extends, last, settings)
 
 
 def _valid_stages(workdir: Path) -> list[str]:
@@ -118,7 +133,8 @@ def _valid_stages(workdir: Path) -> list[str]:
     done = []
     for stage in STAGE_NAMES:
         manifest = read_manifest(workdir / stage)
-        if manifest is not None and not verify_outputs(workdir / stage, manifest):
+        if manifest is not None and not verify_outputs(workdir / stage, manifest,
+                                                        hasher=cached_sha256):
             done.append(stage)
     return done
 
@@ -141,32 +157,34 @@ def _link_tree(workdir: Path, stages: list[str], target: Path) -> None:
 def commit_version(workdir: Path, start: LineageStart) -> int | None:
     """After a finished run: snapshot its stages as a version of the lineage, then switch.
 
-    Nothing happens unless ingest, dedup and split are complete and made for this lineage.
-    The same documents as the last version refresh its snapshot (later stages may have been
-    added); other documents make the next version (or version 1 of a new lineage). Returns
-    the version number, or None."""
+    Nothing happens unless ingest, dedup and split are complete. The documents of the last
+    version refresh its snapshot (later stages may have been added); a corpus that extends it
+    makes the next version; a fresh one makes version 1 of this run's lineage (or of a new
+    one, when the corpus itself left the lineage: it kept too little of the last version).
+    Returns the version number, or None."""
     stages = _valid_stages(workdir)
     if not {"ingest", "dedup", "split"} <= set(stages):
         return None
     ingest = read_manifest(workdir / "ingest")
     version_info = json.loads((workdir / "ingest" / "version.json").read_text("utf-8"))
-    if version_info.get("lineage") != start.lineage:
-        return None
-    state = read_lineage(workdir)
-    lineage = start.lineage
-    if version_info.get("new_lineage") and start.previous is not None:
-        lineage = f"{lineage}-r{start.version + 1}"  # the corpus itself left the lineage
-    same = state is not None and state["lineage"] == lineage
-    versions = list(state["versions"]) if same else []
     digest = ingest.outputs["documents.parquet"].sha256
+    state = read_lineage(workdir)
+    lineage, versions = start.lineage, []
+    if state is not None and state["lineage"] == lineage:
+        versions = list(state["versions"])
     if versions and versions[-1]["documents_sha256"] == digest:
         number = versions[-1]["version"]
         versions[-1] = {**versions[-1], "stages": stages}
     else:
+        extends = version_info.get("extends")
+        if extends is not None and (start.extends is None
+                                    or extends != start.extends.relative_to(workdir).as_posix()):
+            return None  # made from another version than this lineage's last: not ours
+        if extends is None and versions:  # the corpus left the lineage (ingest said why)
+            lineage, versions = f"{lineage}-r{versions[-1]['version'] + 1}", []
         number = versions[-1]["version"] + 1 if versions else 1
         versions.append({
-            "version": number, "documents_sha256": digest,
-            "extends": version_info.get("extends"),
+            "version": number, "documents_sha256": digest, "extends": extends,
             "counts": {k: version_info[k] for k in ("unchanged", "new", "changed", "retired")
                        if k in version_info} | {"documents": ingest.counts.get("kept")},
             "dedup": _pick(read_manifest(workdir / "dedup").counts,
@@ -182,6 +200,7 @@ def commit_version(workdir: Path, start: LineageStart) -> int | None:
     _link_tree(workdir, stages, staging)
     shutil.rmtree(final, ignore_errors=True)  # a snapshot of this version, refreshed
     staging.rename(final)
+    same = state is not None and state["lineage"] == lineage
     atomic_write_json(workdir / VERSIONS_DIR / LINEAGE_FILE, {  # the switch: the last write
         "lineage": lineage, "settings": start.settings,
         "lineages": int(state.get("lineages", 1)) + (0 if same else 1) if state else 1,

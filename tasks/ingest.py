@@ -30,7 +30,7 @@ def compute(ctx: RunContext, out: Path, inputs: dict[str, Path]) -> StageOutput:
                              progress=progress_logger(log, "ingest shards"), first_ids=first_ids)
 
     result = ingest(() if previous is None else previous["id"].tolist())
-    version: dict = {"lineage": ctx.lineage, "extends": None}
+    version: dict = {"extends": None}
     counts = dict(result.counts)
     if previous is not None:
         diff = diff_versions(previous, result.documents)

@@ -23,11 +23,13 @@ LABELLED_INPUTS = tuple(f"encode/{split}_{suffix}" for split in SPLITS
 
 
 def _corpus_fingerprint(ctx: RunContext) -> dict[str, Any]:
-    """The corpus as it is now, and the lineage it grows (a new lineage reruns ingest)."""
+    """The corpus as it is now, and the corpus version it extends, if any."""
     from selfsup_model.corpus.ingest import corpus_fingerprint
 
+    extends = {} if ctx.previous is None else {
+        "extends": ctx.previous.relative_to(ctx.workdir).as_posix()}
     return {"corpus": corpus_fingerprint(ctx.corpus, ctx.corpus_format, ctx.config.ingest),
-            **({"lineage": ctx.lineage} if ctx.lineage else {})}
+            **extends}
 
 
 def _init_source(ctx: RunContext, artifact: str) -> dict[str, Any]:

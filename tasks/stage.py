@@ -96,8 +96,8 @@ class RunContext:
     stage_run: str | None = None  # the tracked run of the stage being computed
     # where sharded stages run their shard tasks; not a parameter of any output
     fan_out: FanOut = IN_PROCESS
-    # the corpus lineage (`flows.versions`) and the snapshot of its last complete version,
-    # which a grown corpus extends (None: no earlier version, or a new lineage)
+    # the corpus lineage (`flows.versions`) and the snapshot of the version whose corpus this
+    # run's extends (None: a first version, or a new lineage)
     lineage: str | None = None
     previous: Path | None = None
 

@@ -118,15 +118,28 @@ def test_a_setting_that_shapes_the_split_starts_a_new_lineage_in_one_line(
     corpus, wd = tmp_path / "corpus.jsonl", tmp_path / "wd"
     write(corpus, first_rows)
     run(corpus, wd)
-    first = read_lineage(wd)["lineage"]
     with caplog.at_level(logging.INFO, logger="selfsup.versions"):
-        rows = run_pipeline(config("split.seed=8"), str(corpus),
-                            workdir=str(wd), stages=CORPUS_STAGES, tracking=False)
+        first = run_pipeline(config("split.seed=8"), str(corpus), workdir=str(wd),
+                             stages=CORPUS_STAGES, tracking=False)
+    # A first version is what a new corpus gives: only the split is made again.
+    assert [r.status for r in first] == ["skipped", "skipped", "ran"]
     lines = [r.getMessage() for r in caplog.records if "new lineage" in r.getMessage()]
     assert len(lines) == 1 and "split.seed" in lines[0]
+    lineage = read_lineage(wd)["lineage"]
+
+    write(corpus, first_rows + [{"id": "n0", "text": " ".join(words("new_")), "label": "c0"}])
+    run_pipeline(config("split.seed=8"), str(corpus), workdir=str(wd), stages=CORPUS_STAGES,
+                 tracking=False)
+    assert [v["version"] for v in read_lineage(wd)["versions"]] == [1, 2]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="selfsup.versions"):
+        rows = run_pipeline(config("split.seed=9"), str(corpus), workdir=str(wd),
+                            stages=CORPUS_STAGES, tracking=False)
+    # A grown version is not: everything from ingest is rebuilt as for a new corpus.
     assert [r.status for r in rows] == ["ran", "ran", "ran"]
+    assert sum("new lineage" in r.getMessage() for r in caplog.records) == 1
     state = read_lineage(wd)
-    assert state["lineage"] != first and [v["version"] for v in state["versions"]] == [1]
+    assert state["lineage"] != lineage and [v["version"] for v in state["versions"]] == [1]
     assert not json.loads((wd / "ingest" / "version.json").read_text())["extends"]
 
 
