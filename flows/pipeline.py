@@ -14,7 +14,13 @@ from flows.lock import workdir_lock
 from flows.predict import label_counts_markdown, run_predict
 from flows.settings import RunSettings, changed_keys, read_settings, write_settings
 from flows.tracking import PipelineTracking, Tracker, default_tracking_uri, flatten
-from flows.versions import commit_version, open_lineage, read_lineage
+from flows.versions import (
+    LINEAGE_FILE,
+    VERSIONS_DIR,
+    commit_version,
+    open_lineage,
+    read_lineage,
+)
 from selfsup_model.config import DEFAULT_WORKDIR, CorpusFormat, PipelineConfig
 from selfsup_model.errors import UserError
 from selfsup_model.presets import build_config, deep_merge, parse_override, validate_config
@@ -107,9 +113,10 @@ def run_pipeline(
                 tracker.end_run(parent, "FAILED")
             raise
         if tracker:
-            if version is not None:
+            if version is not None:  # the corpus lineage: a digest and counts per version
                 tracker.set_tags(parent, {"selfsup.lineage": read_lineage(wd)["lineage"],
                                           "selfsup.corpus_version": str(version)})
+                tracker.log_artifact(parent, wd / VERSIONS_DIR / LINEAGE_FILE, "corpus")
             tracker.end_run(parent, "FINISHED")
         joined.release()  # other training processes, if any, may exit
         return results

@@ -8,6 +8,7 @@ import logging
 import numpy as np
 import pandas as pd
 import pytest
+from mlflow.tracking import MlflowClient
 
 from flows.pipeline import run_pipeline
 from flows.versions import read_lineage
@@ -185,3 +186,20 @@ def test_a_grown_corpus_keeps_its_tokenizer_and_says_when_new_text_drifts(
     assert drifted.metrics["fitted_val_unk_rate"] == tok.metrics["fitted_val_unk_rate"]
     assert "past the drift thresholds" in caplog.text
     assert (wd / "tokenizer" / "tokenizer.json").read_bytes() == fitted
+
+
+def test_a_tracked_run_records_its_corpus_version_on_the_parent_run(tiny_run):
+    wd, uri, _ = tiny_run
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name("selfsup")
+    parent = next(r for r in client.search_runs([exp.experiment_id])
+                  if "mlflow.parentRunId" not in r.data.tags)
+    state = read_lineage(wd)
+    assert parent.data.tags["selfsup.corpus_version"] == "1"
+    assert parent.data.tags["selfsup.lineage"] == state["lineage"]
+    assert [a.path for a in client.list_artifacts(parent.info.run_id, "corpus")] == [
+        "corpus/lineage.json"]
+    # the whole run's stages are in the version's snapshot, manifests included
+    assert state["versions"][0]["stages"][-1] == "compare"
+    snapshot = wd / "versions" / state["lineage"] / "v0001"
+    assert (snapshot / "pretrain" / "encoder.keras").samefile(wd / "pretrain" / "encoder.keras")
