@@ -505,12 +505,16 @@ def _quarantine_rows(corpus: SplitCorpus, rows: np.ndarray, comp: np.ndarray,
     """Why each newly quarantined document is held out: the earlier splits its connected new
     documents reach (`reach`, per component), and a few of the earlier documents they touch
     (`links`: (new, earlier) pairs)."""
+    link_comp = comp[links[:, 0]]
+    order = np.lexsort((links[:, 1], link_comp))  # by component, then earlier document
+    link_comp, earlier = link_comp[order], links[order, 1]
     out = []
     for i in rows:
         reached = [s for s, hit in zip(SPLITS, reach[comp[i]], strict=False) if hit]
         reason = ("related to earlier documents in " + " and ".join(sorted(reached))
                   if len(reached) > 1 else "related to a quarantined document")
-        touched = sorted(set(links[comp[links[:, 0]] == comp[i], 1].tolist()))[:5]
+        lo, hi = np.searchsorted(link_comp, [comp[i], comp[i] + 1])
+        touched = np.unique(earlier[lo:hi])[:5].tolist()
         out.append((str(corpus.ids[i]), reason, ",".join(sorted(reached)),
                     ",".join(str(corpus.ids[m]) for m in touched)))
     return pd.DataFrame(out, columns=list(QUARANTINE_COLUMNS)).astype("string")
