@@ -203,6 +203,18 @@ class PretrainConfig(_Section):
                           "pretrain/encoder.keras. Its tokenizer is reused, not refitted, "
                           "after checking that none of this run's val/test documents is a "
                           "near-copy of what that run's lineage pretrained on.")
+    versions: Literal["continue", "scratch"] = Field(
+        "continue",
+        description="How a later version of a grown corpus pretrains (docs/operations.md, \"A "
+                    "corpus that grows\"). continue: from the last version's encoder, over the "
+                    "version's new training documents plus a replay sample of earlier ones, "
+                    "with the warm-up run again and the budget scaled to those windows; "
+                    "scratch: from random initialisation on the whole training split, as a "
+                    "first version does (the control). init_from, when set, wins.")
+    replay: float = Field(
+        1.0, ge=0.0,
+        description="Continuing a version: earlier training documents replayed per new one (a "
+                    "seeded sample; 0: the new documents alone).")
 
     @model_validator(mode="after")
     def _check_pairs(self) -> PretrainConfig:

@@ -78,11 +78,12 @@ def report_context(ctx: RunContext, inputs: dict[str, Path], n_test: int) -> dic
 
 def _source_check(tokenizer_counts: dict) -> dict[str, str]:
     """The continued-pretraining leak check's line (none for a run that started from scratch)."""
-    if not tokenizer_counts.get("reused_from"):
-        return {}
+    if "source_audit_passed" not in tokenizer_counts:  # no encoder continued (or the
+        return {}  # tokenizer was only kept through a corpus lineage)
     c = tokenizer_counts
     found = (f"{c['source_documents_checked']} val/test documents against the "
-             f"{c['source_train_documents']} documents the init_from lineage pretrained on")
+             f"{c['source_train_documents']} documents the continued encoder's lineage "
+             "pretrained on")
     return {"continued-pretraining leak check":
             f"passed ({found}: no near-copies)" if c["source_audit_passed"] else
             f"FAILED ({found}): {c['source_leaking_documents']} leaking document(s) or an "

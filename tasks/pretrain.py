@@ -3,26 +3,39 @@ pretrain_model.keras, history."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
+import pyarrow.parquet as pq
 
-from selfsup_model.artifacts import sha256_file
-from selfsup_model.pretraining.continued import resolve_init_source
+from selfsup_model.artifacts import sha256_file, sha256_json
+from selfsup_model.config import PretrainConfig
+from selfsup_model.errors import ArtifactError
+from selfsup_model.pretraining.batches import budget_steps
+from selfsup_model.pretraining.continued import (
+    continuation_budget,
+    continuation_windows,
+    recorded_file,
+    resolve_init_source,
+)
 from selfsup_model.pretraining.loop import pretrain
 from selfsup_model.text.masking import load_masks
 from selfsup_model.text.tokenization import load_tokenizer
 from tasks.joined import invite
 from tasks.registry import PIPELINE
 from tasks.stage import RunContext, StageOutput, code_version
+from tasks.versions import snapshot_file, warm_start, warm_start_params
+
+log = logging.getLogger("selfsup.pretrain")
 
 OUTPUTS = ["encoder.keras", "pretrain_model.keras", "history.json", "loss_curve.png"]
 
 
 def compute(ctx: RunContext, out: Path, inputs: dict[str, Path]) -> StageOutput:
     invite("pretrain")  # other training processes, if any, join in (`follow`)
-    result, windows, init = _pretrain(ctx, out, inputs)
-    counts = {"steps": result.steps, "tokens_seen": result.tokens_seen,
+    result, windows, init, continued = _pretrain(ctx, out, inputs)
+    counts = {**continued, "steps": result.steps, "tokens_seen": result.tokens_seen,
               "real_tokens_seen": result.real_tokens_seen,
               "scored_tokens": int(result.scored_tokens), "empty_batches": result.empty_batches,
               "resumed_from_step": result.resumed_from_step, "train_windows": int(windows.shape[0]),
@@ -38,22 +51,66 @@ def _pretrain(ctx: RunContext, out: Path, inputs: dict[str, Path]):
     windows = np.load(inputs["encode/train_windows.npy"], mmap_mode="r", allow_pickle=False)
     val_masks = load_masks(inputs["masks/val_masks.npz"])
     doc_offsets = np.load(inputs["encode/train_doc_offsets.npy"], allow_pickle=False)
-    cfg = ctx.config
+    cfg, pretrain_cfg, counts = ctx.config, ctx.config.pretrain, {}
     init = resolve_init_source(cfg.pretrain.init_from) if cfg.pretrain.init_from else None
-    result = pretrain(windows, val_masks, vocab_size, cfg.model, cfg.pretrain, cfg.masks, out,
+    snapshot, why = warm_start(ctx)
+    if why:
+        log.info("pretrain: from random initialisation (%s)", why)
+    if snapshot is not None:  # a later corpus version: continue the last version's encoder
+        init = resolve_init_source(str(snapshot))
+        windows, doc_offsets, pretrain_cfg, counts = _continuation(ctx, snapshot, windows,
+                                                                   doc_offsets)
+    result = pretrain(windows, val_masks, vocab_size, cfg.model, pretrain_cfg, cfg.masks, out,
                       log_metrics=ctx.metric_logger(), init=init,
                       tokenizer_sha256=sha256_file(inputs["tokenizer/tokenizer.json"]),
-                      doc_offsets=doc_offsets, inputs_sha256=_fingerprint_inputs(inputs),
+                      doc_offsets=doc_offsets, inputs_sha256=_fingerprint_inputs(ctx, inputs),
                       log_destination=ctx.stage_run)
-    return result, windows, init
+    return result, windows, init, counts
 
 
-def _fingerprint_inputs(inputs: dict[str, Path]) -> dict[str, str]:
-    """The inputs' hashes and the stage's version: a checkpoint left by a run on other data or
-    by older code (an earlier stage version) must not be resumed as if it were this run's."""
+def _continuation(ctx: RunContext, snapshot: Path, windows: np.ndarray,
+                  doc_offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray, PretrainConfig, dict]:
+    """The windows, offsets and schedule of a version that continues `snapshot`'s encoder: its
+    new training documents plus a replay sample of earlier ones (`continuation_windows`), the
+    first version's schedule scaled to them (`continuation_budget`)."""
+    cfg = ctx.config.pretrain
+    earlier = pq.read_table(snapshot_file(snapshot, "split", "assignments.parquet"),
+                            columns=["id", "split"]).to_pydict()
+    earlier_train = [i for i, s in zip(earlier["id"], earlier["split"], strict=True)
+                     if s == "train"]
+    docs = recorded_file(ctx.workdir, "encode", "train_docs.parquet", "pretrain")[0]
+    ids = pq.read_table(docs, columns=["id"]).column("id").to_numpy(zero_copy_only=False)
+    if len(ids) != len(doc_offsets) - 1:
+        raise ArtifactError(f"{docs} lists {len(ids)} documents but the training windows' "
+                            f"offsets {len(doc_offsets) - 1}; rerun with --force encode")
+    chosen = continuation_windows(doc_offsets, np.isin(ids, np.asarray(earlier_train, object)),
+                                  cfg.replay, cfg.seed, cfg.batch_size)
+    full = budget_steps(cfg, int(windows.shape[1]))
+    steps, warmup = continuation_budget(full, cfg.warmup_steps, len(chosen.rows),
+                                        int(windows.shape[0]))
+    version = int(snapshot.name.lstrip("v"))
+    log.info("pretrain: continuing corpus version %d's encoder over its %d new training "
+             "documents and %d replayed earlier ones (%d of %d windows): %d steps, %d of them "
+             "warm-up (pretrain.versions=scratch trains from random initialisation instead)",
+             version, chosen.new_documents, chosen.replayed_documents, len(chosen.rows),
+             windows.shape[0], steps, warmup)
+    counts = {"continued_version": version, "new_train_documents": chosen.new_documents,
+              "replayed_documents": chosen.replayed_documents,
+              "split_train_windows": int(windows.shape[0])}
+    return (np.asarray(windows[chosen.rows]), chosen.doc_offsets,
+            cfg.model_copy(update={"steps": steps, "max_tokens": None, "warmup_steps": warmup}),
+            counts)
+
+
+def _fingerprint_inputs(ctx: RunContext, inputs: dict[str, Path]) -> dict[str, str]:
+    """The inputs' hashes, the stage's version and the version it continues, if any: a
+    checkpoint left by a run on other data or by older code (an earlier stage version) must not
+    be resumed as if it were this run's."""
     spec = next(s for s in PIPELINE if s.name == "pretrain")
+    continues = warm_start_params(ctx)
     return {**{name: sha256_file(path) for name, path in sorted(inputs.items())},
-            "code_version": code_version(spec)}
+            "code_version": code_version(spec),
+            **({"continues": sha256_json(continues)} if continues else {})}
 
 
 def follow(ctx: RunContext) -> None:

@@ -45,20 +45,35 @@ def _init_source(ctx: RunContext, artifact: str) -> dict[str, Any]:
 def _tokenizer_extras(ctx: RunContext) -> dict[str, Any]:
     """Continuing another run, the tokenizer stage copies its tokenizer and runs the leak check
     against what that run's lineage pretrained on: the source tokenizer's sha256, the lineage's
-    recorded inputs and the check's settings (nothing when unset)."""
-    if not ctx.config.pretrain.init_from:
+    recorded inputs and the check's settings. Continuing the last corpus version's encoder, the
+    same check on that version's lineage (nothing when neither)."""
+    from tasks.versions import warm_start
+
+    snapshot, _ = warm_start(ctx)
+    if not ctx.config.pretrain.init_from and snapshot is None:
         return {}
-    from selfsup_model.pretraining.continued import resolve_init_source
     from selfsup_model.pretraining.source_audit import lineage_hashes
 
-    source = resolve_init_source(ctx.config.pretrain.init_from)
     split, dedup = ctx.config.split, ctx.config.dedup
-    return {"init_from_sha256": source.tokenizer_sha256,
-            "lineage": lineage_hashes(source.workdir),
+    if snapshot is not None:
+        source = {"continues": snapshot.relative_to(ctx.workdir).as_posix()}
+        workdir = snapshot
+    else:
+        from selfsup_model.pretraining.continued import resolve_init_source
+
+        init = resolve_init_source(ctx.config.pretrain.init_from)
+        source, workdir = {"init_from_sha256": init.tokenizer_sha256}, init.workdir
+    return {**source, "lineage": lineage_hashes(workdir),
             "leak_check": {"relatedness_threshold": split.relatedness_threshold,
                            "audit_action": split.audit_action,
                            **dedup.model_dump(include={"shingle", "shingle_size", "num_perm",
                                                        "seed"})}}
+
+
+def warm_start_params(ctx: RunContext) -> dict[str, Any]:
+    from tasks.versions import warm_start_params as params
+
+    return params(ctx)
 
 
 def _baseline_extras(ctx: RunContext) -> dict[str, Any]:
@@ -85,7 +100,8 @@ PIPELINE: tuple[StageSpec, ...] = (
               version=5),
     StageSpec("tokenizer", inputs=("ingest/documents.parquet", "split/assignments.parquet",
                                    "ingest/version.json"),
-              # Only a continued run's parameters grow (the leak check's): other runs stay fresh.
+              # Only a continued run's parameters grow (the leak check's, and for a corpus
+              # version the one it continues): other runs stay fresh.
               sections=("tokenizer",), extra_params=_tokenizer_extras),
     StageSpec("encode", inputs=("ingest/documents.parquet", "split/assignments.parquet",
                                 "tokenizer/tokenizer.json"),
@@ -96,7 +112,8 @@ PIPELINE: tuple[StageSpec, ...] = (
     StageSpec("pretrain", inputs=("encode/train_windows.npy", "encode/train_doc_offsets.npy",
                                   "masks/val_masks.npz", "tokenizer/tokenizer.json"),
               sections=("model", "pretrain", "masks"),
-              extra_params=lambda ctx: _init_source(ctx, "pretrain_model"),
+              extra_params=lambda ctx: {**_init_source(ctx, "pretrain_model"),
+                                        **warm_start_params(ctx)},
               # v2: the last update of the schedule is no longer at rate 0; v3: a continued
               # run computes at its own precision, not its source's; v4: the optional
               # same-document contrastive term, and checkpoints fingerprinted by input hashes;

@@ -1,7 +1,7 @@
 """tokenizer: fitted on the training split only (or, continuing another run's pretraining, \
 that run's, after checking that run's lineage never pretrained on this run's val/test; or, for \
-a grown corpus, the last corpus version's, measured on the new documents for drift) -> \
-tokenizer.json."""
+a grown corpus, the last corpus version's, measured on the new documents for drift, with the \
+same leak check when pretraining continues that version's encoder) -> tokenizer.json."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from selfsup_model.text.tokenization import (
     tokenizer_stats,
 )
 from tasks.stage import RunContext, StageOutput, progress_logger
-from tasks.versions import extended_snapshot, snapshot_documents, snapshot_file
+from tasks.versions import extended_snapshot, snapshot_documents, snapshot_file, warm_start
 
 log = logging.getLogger("selfsup.tokenizer")
 
@@ -46,6 +46,13 @@ def _check_source(ctx: RunContext, source: InitSource, docs: pd.DataFrame,
         log.warning("tokenizer: %s", audit["message"])
     atomic_write_json(out / "source_audit.json", audit)
     return audit
+
+
+def _audit_counts(audit: dict) -> dict:
+    return {"source_documents_checked": audit["documents_checked"],
+            "source_train_documents": audit["source_train_documents"],
+            "source_leaking_documents": audit["leaking_documents"],
+            "source_audit_passed": audit["passed"]}
 
 
 # A kept tokenizer drifts when its unknown-token rate on a version's new documents exceeds
@@ -103,16 +110,17 @@ def compute(ctx: RunContext, out: Path, inputs: dict[str, Path]) -> StageOutput:
         source = resolve_init_source(init_from)
         audit = _check_source(ctx, source, docs, assign, out)
         files.append("source_audit.json")
-        counts = {"reused_from": str(source.workdir),
-                  "source_documents_checked": audit["documents_checked"],
-                  "source_train_documents": audit["source_train_documents"],
-                  "source_leaking_documents": audit["leaking_documents"],
-                  "source_audit_passed": audit["passed"]}
+        counts = {"reused_from": str(source.workdir), **_audit_counts(audit)}
         atomic_write_bytes(out / "tokenizer.json", source.tokenizer.read_bytes())
         tok = load_tokenizer(out / "tokenizer.json")
     elif snapshot is not None:  # a grown corpus keeps its lineage's tokenizer
         counts, extra = _lineage_tokenizer(ctx, snapshot, docs, out)
         tok = load_tokenizer(out / "tokenizer.json")
+        continued, _ = warm_start(ctx)
+        if continued is not None:  # and pretraining will continue that version's encoder
+            audit = _check_source(ctx, resolve_init_source(str(continued)), docs, assign, out)
+            files.append("source_audit.json")
+            counts |= _audit_counts(audit)
     else:
         tok = fit_tokenizer(documents_in_split(docs, assign, "train")["text"].tolist(),
                             ctx.config.tokenizer)

@@ -12,9 +12,11 @@ vocabulary, architecture, objective or tokenizer) is refused with the reason.
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 import keras
+import numpy as np
 
 from selfsup_model.artifacts import MANIFEST_NAME, StageManifest, cached_sha256
 from selfsup_model.config import ModelConfig
@@ -97,8 +99,61 @@ def lineage(source: Path) -> tuple[list[Path], str | None]:
             return runs, f"{runs[-1]} continued pretraining from {run}, which cannot be read: {err}"
         runs.append(run)
         parent = manifest.counts.get("reused_from") or ""
-        run = Path(parent).resolve() if parent else None
+        run = reused_source(run, parent) if parent else None
     return runs, None
+
+
+def reused_source(run: Path, reused_from: str) -> Path:
+    """The run a tokenizer manifest's `reused_from` names: an absolute workdir (init_from), or a
+    corpus version's snapshot relative to the workdir that holds `run` (`flows.versions`: the
+    nearest folder, `run` or above, with a versions/lineage.json)."""
+    path = Path(reused_from)
+    if path.is_absolute():
+        return path.resolve()
+    root = next((p for p in (run, *run.parents) if (p / "versions" / "lineage.json").is_file()),
+                run)
+    return (root / path).resolve()
+
+
+@dataclasses.dataclass(frozen=True)
+class Continuation:
+    """What a later corpus version pretrains on when it continues the last version's encoder:
+    `rows`, the training windows (new documents' and a replay sample's, in corpus order), and
+    `doc_offsets` ((docs + 1,), where each selected document's windows start among them)."""
+
+    rows: np.ndarray
+    doc_offsets: np.ndarray
+    new_documents: int
+    replayed_documents: int
+
+
+def continuation_windows(doc_offsets: np.ndarray, earlier: np.ndarray, replay: float,
+                         seed: int, batch_size: int) -> Continuation:
+    """Every window of the documents that are new (`~earlier`, one flag per document of
+    `doc_offsets`) and of a seeded sample of round(replay x new) earlier documents (all of them
+    when fewer). A version with no new training document replays documents enough for one batch
+    (at least one), so that the encoder still meets this version's data."""
+    offsets = np.asarray(doc_offsets, dtype=np.int64)
+    earlier = np.asarray(earlier, dtype=bool)
+    if len(earlier) != len(offsets) - 1:
+        raise ValueError(f"{len(earlier)} document flags for {len(offsets) - 1} documents")
+    new, old = np.flatnonzero(~earlier), np.flatnonzero(earlier)
+    wanted = round(replay * len(new)) if len(new) else max(batch_size, 1)
+    replayed = np.random.default_rng(seed).choice(old, size=min(len(old), wanted), replace=False)
+    docs = np.sort(np.concatenate([new, replayed]))
+    lengths = offsets[1:][docs] - offsets[:-1][docs]
+    kept = np.concatenate([[0], np.cumsum(lengths)])
+    rows = np.repeat(offsets[:-1][docs] - kept[:-1], lengths) + np.arange(kept[-1])
+    return Continuation(rows, kept, len(new), len(replayed))
+
+
+def continuation_budget(full_steps: int, warmup_steps: int, windows: int,
+                        all_windows: int) -> tuple[int, int]:
+    """(steps, warm-up steps) of a continued version: the first version's schedule scaled to the
+    share of the training windows it trains on (at least one step), warm-up included."""
+    steps = max(1, math.ceil(full_steps * windows / max(all_windows, 1)))
+    warmup = max(1, round(warmup_steps * steps / full_steps)) if warmup_steps else 0
+    return steps, min(warmup, steps)
 
 
 def check_compatible(backbone: keras.Model, *, vocab_size: int, max_len: int, causal: bool,

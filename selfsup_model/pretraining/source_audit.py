@@ -81,7 +81,9 @@ def seen_documents(source: Path) -> SeenDocuments:
         train = documents_in_split(pd.read_parquet(docs, columns=["id", "text"]),
                                    pd.read_parquet(assign, columns=["id", "split"]), "train")
         frames.append(train.assign(run=k))
-    seen = pd.concat(frames, ignore_index=True)
+    # A corpus version's lineage holds its earlier versions, each with the documents before it:
+    # one copy of each document is enough (the nearest run's).
+    seen = pd.concat(frames, ignore_index=True).drop_duplicates(["id", "text"], keep="first")
     return SeenDocuments(runs, seen["run"].to_numpy(np.int64), seen["id"].astype(str).tolist(),
                          seen["text"].tolist(), unreadable)
 
@@ -148,8 +150,8 @@ def source_leak_audit(
         shown = ", ".join(f"{e['id']} ({e['split']}) ~ {e['source_id']} of {e['source_run']} "
                           f"(J={e['jaccard']:.2f})" for e in examples[:3])
         problems.append(f"{leaking} val/test document(s) are near-copies (Jaccard >= "
-                        f"{cfg.relatedness_threshold:g}) of documents the init_from encoder "
-                        f"was pretrained on, e.g. {shown}")
+                        f"{cfg.relatedness_threshold:g}) of documents the encoder this run "
+                        f"continues was pretrained on, e.g. {shown}")
     if seen.unreadable:
         problems.append(f"the lineage could not be followed to its end: {seen.unreadable}")
     audit["passed"] = not problems

@@ -12,6 +12,7 @@ from mlflow.tracking import MlflowClient
 
 from flows.pipeline import run_pipeline
 from flows.versions import read_lineage
+from selfsup_model.nn.saving import load_keras_model
 from selfsup_model.presets import build_config
 
 CORPUS_STAGES = ["ingest", "dedup", "split"]
@@ -203,3 +204,58 @@ def test_a_tracked_run_records_its_corpus_version_on_the_parent_run(tiny_run):
     assert state["versions"][0]["stages"][-1] == "compare"
     snapshot = wd / "versions" / state["lineage"] / "v0001"
     assert (snapshot / "pretrain" / "encoder.keras").samefile(wd / "pretrain" / "encoder.keras")
+
+
+UP_TO_PRETRAIN = [*CORPUS_STAGES, "tokenizer", "encode", "masks", "pretrain"]
+
+
+def test_a_later_version_continues_the_last_encoder_on_new_and_replayed_documents(
+        first_rows, tmp_path, caplog):
+    corpus, wd = tmp_path / "corpus.jsonl", tmp_path / "wd"
+    # A rate of ~0: the continued encoder must come out as version 1's, which proves where it
+    # started from.
+    still = ["pretrain.learning_rate=1e-12", "pretrain.replay=0.5"]
+    write(corpus, first_rows)
+    run_pipeline(config(*still), str(corpus), workdir=str(wd), stages=UP_TO_PRETRAIN,
+                 tracking=False)
+    first = load_keras_model(wd / "pretrain" / "encoder.keras").get_weights()
+    new = [{"id": f"n{i}", "text": " ".join(words(f"new{i}_")), "label": f"c{i % 2}"}
+           for i in range(12)]
+    write(corpus, first_rows + new)
+    with caplog.at_level(logging.INFO, logger="selfsup"):
+        grown = {r.stage: r for r in run_pipeline(config(*still), str(corpus), workdir=str(wd),
+                                                  stages=UP_TO_PRETRAIN, tracking=False)}
+    train = splits(wd)[lambda s: s == "train"].index
+    new_train = sum(i.startswith("n") for i in train)
+    pre = grown["pretrain"].counts
+    assert pre["continued_version"] == 1 and "v0001" in pre["initialised_from"]
+    assert pre["new_train_documents"] == new_train > 0
+    assert pre["replayed_documents"] == round(0.5 * new_train)
+    # every document here is two windows long: the schedule scales with the windows it reads
+    offsets = np.load(wd / "encode" / "train_doc_offsets.npy")
+    assert set(np.diff(offsets)) == {2} and pre["split_train_windows"] == 2 * len(train)
+    assert pre["train_windows"] == 2 * (new_train + pre["replayed_documents"])
+    assert pre["steps"] == -(-12 * pre["train_windows"] // pre["split_train_windows"])
+    assert "continuing corpus version 1's encoder" in caplog.text
+    # the lineage leak check ran on this version's val/test and passed: nothing moved
+    tok = grown["tokenizer"].counts
+    held_out = int((splits(wd) != "train").sum())
+    assert tok["source_audit_passed"] and tok["source_documents_checked"] == held_out
+    assert tok["source_train_documents"] == int((pd.read_parquet(
+        wd / "versions" / read_lineage(wd)["lineage"] / "v0001" / "split" / "assignments.parquet")
+        ["split"] == "train").sum())
+    after = load_keras_model(wd / "pretrain" / "encoder.keras").get_weights()
+    assert all(np.allclose(a, b, atol=1e-6) for a, b in zip(first, after, strict=True))
+
+    # The control: from random initialisation on the whole training split (another seed: a
+    # continued encoder would still come out as version 1's).
+    scratch = {r.stage: r for r in run_pipeline(
+        config(*still, "pretrain.versions=scratch", "pretrain.seed=7"), str(corpus),
+        workdir=str(wd),
+        stages=UP_TO_PRETRAIN, tracking=False)}
+    counts = scratch["pretrain"].counts
+    assert counts["initialised_from"] == "random initialisation"
+    assert counts["train_windows"] == 2 * len(train) and counts["steps"] == 12
+    assert "continued_version" not in counts
+    control = load_keras_model(wd / "pretrain" / "encoder.keras").get_weights()
+    assert not all(np.allclose(a, b, atol=1e-6) for a, b in zip(first, control, strict=True))

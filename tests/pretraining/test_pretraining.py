@@ -302,3 +302,29 @@ def test_a_checkpoint_of_other_inputs_is_never_resumed(tmp_path):
     assert run({"encode/train_windows.npy": "aa"}).resumed_from_step == 0
     assert run({"encode/train_windows.npy": "aa"}).resumed_from_step == 4  # same: reused
     assert run({"encode/train_windows.npy": "bb"}).resumed_from_step == 0  # other data: afresh
+
+
+def test_a_continued_version_reads_its_new_documents_and_a_replay_sample():
+    from selfsup_model.pretraining.continued import continuation_budget, continuation_windows
+
+    offsets = np.array([0, 2, 3, 6, 7])  # four documents of 2, 1, 3 and 1 windows
+    earlier = np.array([True, False, True, True])  # document 1 is new
+    alone = continuation_windows(offsets, earlier, replay=0.0, seed=0, batch_size=8)
+    assert alone.rows.tolist() == [2] and alone.doc_offsets.tolist() == [0, 1]
+    everything = continuation_windows(offsets, earlier, replay=5.0, seed=0, batch_size=8)
+    assert everything.rows.tolist() == list(range(7))
+    assert everything.doc_offsets.tolist() == offsets.tolist()
+    assert (everything.new_documents, everything.replayed_documents) == (1, 3)
+    one = continuation_windows(offsets, earlier, replay=1.0, seed=3, batch_size=8)
+    replayed = sorted(set(np.searchsorted(offsets, one.rows, side="right") - 1) - {1})
+    assert len(replayed) == 1 and replayed[0] in (0, 2, 3)
+    # windows of whole documents, in corpus order, offsets over the selection
+    lengths = np.diff(offsets)
+    assert one.doc_offsets.tolist() == [0, *np.cumsum(lengths[sorted([1, *replayed])])]
+    # nothing new in the training split: replay enough documents for one batch
+    none_new = continuation_windows(offsets, np.ones(4, bool), replay=1.0, seed=0, batch_size=2)
+    assert (none_new.new_documents, none_new.replayed_documents) == (0, 2)
+    # the schedule scales: 240 of 2400 windows -> 240 of 2400 steps, warm-up 100 -> 10
+    assert continuation_budget(2400, 100, 240, 2400) == (240, 10)
+    assert continuation_budget(12, 2, 30, 116) == (4, 1)  # ceil(3.1) steps, round(0.67) warm-up
+    assert continuation_budget(12, 0, 1, 10_000) == (1, 0)
