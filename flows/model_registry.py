@@ -30,6 +30,7 @@ log = logging.getLogger("selfsup.tracking")
 
 MODEL_CODE = Path(__file__).with_name("classifier_pyfunc.py")
 _PROGRESS_BAR = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
+_TRACKING_URI_VAR = "MLFLOW_TRACKING_URI"
 EXAMPLE_TEXT = "A new document to classify, as plain text."
 
 
@@ -56,18 +57,24 @@ def requirements() -> list[str]:
 @contextlib.contextmanager
 def _tracking_uri(uri: str) -> Iterator[None]:
     """MLflow's model logging reads the process-wide URI; point it at our store meanwhile (the
-    one place selfsup touches MLflow's global state; runs are still named by id)."""
-    before, bar = mlflow.get_tracking_uri(), os.environ.get(_PROGRESS_BAR)
+    one place selfsup touches MLflow's global state; runs are still named by id).
+
+    MLflow's `set_tracking_uri` also exports MLFLOW_TRACKING_URI, and "restoring" the default
+    would pin the next run of this process to MLflow's default store (./mlflow.db) instead of
+    its workdir's: the variable is put back as it was, set or not."""
+    before = mlflow.get_tracking_uri()
+    saved = {name: os.environ.get(name) for name in (_PROGRESS_BAR, _TRACKING_URI_VAR)}
     mlflow.set_tracking_uri(uri)
     os.environ[_PROGRESS_BAR] = "false"  # no download bars in the run's log
     try:
         yield
     finally:
         mlflow.set_tracking_uri(before)
-        if bar is None:
-            os.environ.pop(_PROGRESS_BAR, None)
-        else:
-            os.environ[_PROGRESS_BAR] = bar
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def log_classifier(tracking_uri: str, run_id: str, bundle_dir: Path,

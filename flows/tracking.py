@@ -214,8 +214,8 @@ class PipelineTracking:
         for path in paths:
             self.tracker.log_artifact(self.parent, path, folder)
 
-    def publish_metrics(self, metrics: dict[str, float]) -> None:
-        self.tracker.log_metrics(self.parent, metrics)
+    def publish_metrics(self, metrics: dict[str, float], step: int = 0) -> None:
+        self.tracker.log_metrics(self.parent, metrics, step)
 
     def log_classifier(self, run: str, bundle_dir: Path) -> None:
         from flows.model_registry import log_classifier

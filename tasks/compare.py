@@ -16,8 +16,10 @@ from selfsup_model.artifacts import (
     MANIFEST_NAME,
     StageManifest,
     atomic_path,
+    atomic_write_json,
     atomic_write_parquet,
     atomic_write_text,
+    read_manifest,
 )
 from selfsup_model.config import PipelineConfig
 from selfsup_model.report.comparison import (
@@ -29,9 +31,13 @@ from selfsup_model.report.comparison import (
     write_report,
 )
 from selfsup_model.report.effects import effect_sentence, pretraining_effects, seed_spread
+from selfsup_model.report.plots import plot_versions
+from selfsup_model.report.versions import KEY_METHODS, series, version_record, versions_markdown
+from selfsup_model.report.versions import PLOT as VERSIONS_PLOT
 from selfsup_model.transfer.protocol import result_key
 from selfsup_model.transfer.sentence_embeddings import SENTENCE_METHOD
 from tasks.stage import RunContext, StageOutput
+from tasks.versions import RECORD_FILE, earlier_versions, snapshot_file
 
 log = logging.getLogger("selfsup.compare")
 
@@ -175,7 +181,15 @@ def compute(ctx: RunContext, out: Path, inputs: dict[str, Path]) -> StageOutput:
         log.info("%s", narrow_sentence(grid))
     for edge in edges:
         log.warning("selected at the edge of its grid: %s", edge_sentence(edge))
-    files = write_report(out, results, context, predictions, effects, kept, edges, narrow)
+    records, frozen = _versions(ctx, inputs, predictions, out)
+    plotted = len(records) > 1
+    if plotted:
+        plot_versions(records, [m for m in KEY_METHODS
+                                if any(m in r["macro_f1"]["first_test"] for r in records)],
+                      out / VERSIONS_PLOT)
+    files = write_report(out, results, context, predictions, effects, kept, edges, narrow,
+                         sections=[versions_markdown(records, frozen, plotted)])
+    files += [RECORD_FILE, *([VERSIONS_PLOT] if plotted else [])]
     files.append(atomic_write_parquet(out / "predictions.parquet", predictions).name)
     with atomic_path(out / "pretrain_loss_curve.png") as tmp:
         shutil.copyfile(inputs["pretrain/loss_curve.png"], tmp)
@@ -195,8 +209,41 @@ def compute(ctx: RunContext, out: Path, inputs: dict[str, Path]) -> StageOutput:
     metrics.update({f"time/{stage}_s": s for stage, s in seconds.items()})
     metrics["time/pretrain_share"] = seconds.get("pretrain", 0.0) / total
     ctx.publish_metrics(metrics)
+    for version, across in series(records).items():  # a chart over versions in MLflow
+        ctx.publish_metrics(across, step=version)
     return StageOutput(files, counts, metrics,
                        log_artifacts=[f for f in files if not f.endswith(".parquet")])
+
+
+def _versions(ctx: RunContext, inputs: dict[str, Path], predictions: pd.DataFrame,
+              out: Path) -> tuple[list[dict], list[dict]]:
+    """The records of the lineage's versions so far, this one's last (written to RECORD_FILE),
+    and this version's results on the lineage's first test set."""
+    earlier = earlier_versions(ctx)
+    records = [json.loads(snapshot_file(s, "compare", RECORD_FILE).read_text("utf-8"))
+               for s in earlier if RECORD_FILE in getattr(read_manifest(s / "compare"),
+                                                          "outputs", {})]
+    first_test = None
+    if earlier:
+        first = pd.read_parquet(snapshot_file(earlier[0], "split", "assignments.parquet"),
+                                columns=["id", "split"])
+        first_test = set(first.loc[first["split"] == "test", "id"])
+    ingest, split, pre = (StageManifest.read(inputs[f"{stage}/{MANIFEST_NAME}"])
+                          for stage in ("ingest", "split", "pretrain"))
+    sizes = split.counts.get("docs_per_split", {})
+    how = (f"continues v{pre.counts['continued_version']}" if "continued_version" in pre.counts
+           else "from scratch" if pre.counts.get("initialised_from", "").startswith("random")
+           else "continues init_from")
+    about = {"documents": ingest.counts.get("kept"),
+             "split_sizes": " / ".join(str(sizes.get(s, 0)) for s in ("train", "val", "test")),
+             "pretraining": f"{how}, {pre.counts['steps']} steps",
+             "val_loss": pre.metrics.get(f"val/{ctx.config.pretrain.objective}_loss")}
+    cfg = ctx.config.compare
+    record, frozen = version_record(len(earlier) + 1,
+                                    earlier[0].parent.name if earlier else ctx.lineage or "",
+                                    predictions, first_test, cfg.bootstrap, cfg.seed, about)
+    atomic_write_json(out / RECORD_FILE, record)
+    return [*records, record], frozen
 
 
 def _publish(ctx: RunContext, out: Path, files: list[str]) -> None:

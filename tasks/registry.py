@@ -70,10 +70,9 @@ def _tokenizer_extras(ctx: RunContext) -> dict[str, Any]:
                                                        "seed"})}}
 
 
-def warm_start_params(ctx: RunContext) -> dict[str, Any]:
-    from tasks.versions import warm_start_params as params
-
-    return params(ctx)
+def _lazy(module: str, name: str):
+    """A function of a task module, imported when first called (the table stays light)."""
+    return getattr(importlib.import_module(module), name)
 
 
 def _baseline_extras(ctx: RunContext) -> dict[str, Any]:
@@ -113,7 +112,7 @@ PIPELINE: tuple[StageSpec, ...] = (
                                   "masks/val_masks.npz", "tokenizer/tokenizer.json"),
               sections=("model", "pretrain", "masks"),
               extra_params=lambda ctx: {**_init_source(ctx, "pretrain_model"),
-                                        **warm_start_params(ctx)},
+                                        **_lazy("tasks.versions", "warm_start_params")(ctx)},
               # v2: the last update of the schedule is no longer at rate 0; v3: a continued
               # run computes at its own precision, not its source's; v4: the optional
               # same-document contrastive term, and checkpoints fingerprinted by input hashes;
@@ -143,6 +142,9 @@ PIPELINE: tuple[StageSpec, ...] = (
                                  "finetune/classifier.json", "pretrain/history.json",
                                  "pretrain/loss_curve.png", "split/audit.json"),
               sections=("compare",),
+              # the corpus version it scores, against the lineage's first test set and the
+              # earlier versions' records
+              extra_params=lambda ctx: _lazy("tasks.versions", "comparison_params")(ctx),
               # the report's context: pretraining budget, corpus size, every stage's wall time
               manifests=("ingest", "dedup", "split", "tokenizer", "encode", "masks", "pretrain",
                          "finetune", "baseline")),

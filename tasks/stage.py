@@ -61,7 +61,7 @@ class StageTracking(Protocol):
 
     def publish(self, paths: list[Path], folder: str) -> None: ...
 
-    def publish_metrics(self, metrics: dict[str, float]) -> None: ...
+    def publish_metrics(self, metrics: dict[str, float], step: int = 0) -> None: ...
 
     def log_classifier(self, run: str, bundle_dir: Path) -> None: ...
 
@@ -112,10 +112,11 @@ class RunContext:
         if self.tracking is not None:
             self.tracking.publish(paths, folder)
 
-    def publish_metrics(self, metrics: dict[str, float]) -> None:
-        """Log headline numbers on the pipeline's tracked run (nothing happens when untracked)."""
+    def publish_metrics(self, metrics: dict[str, float], step: int = 0) -> None:
+        """Log headline numbers on the pipeline's tracked run at `step` (nothing happens when
+        untracked)."""
         if self.tracking is not None:
-            self.tracking.publish_metrics(metrics)
+            self.tracking.publish_metrics(metrics, step)
 
     def log_classifier(self, bundle_dir: Path) -> None:
         """Log the classifier bundle in `bundle_dir` as a model of the current stage's run (and

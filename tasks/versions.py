@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     import pandas as pd
 
 VERSION_FILE = "version.json"
+RECORD_FILE = "version_metrics.json"  # compare's record of a version's scores
 # What must match for a checkpoint to continue (`continued.check_compatible` checks the same).
 _ARCHITECTURE = ("hidden", "layers", "heads", "ff", "norm", "tie_embeddings")
 
@@ -96,3 +97,28 @@ def warm_start_params(ctx: RunContext) -> dict:
         "earlier_assignments_sha256": earlier.outputs["assignments.parquet"].sha256,
         "train_docs_sha256": (encoded.outputs["train_docs.parquet"].sha256
                               if encoded and "train_docs.parquet" in encoded.outputs else None)}}
+
+
+def earlier_versions(ctx: RunContext) -> list[Path]:
+    """The snapshots of the lineage's versions before this run's, oldest first ([] for a first
+    version): version 1 up to the one this run's corpus extends."""
+    version_json = ctx.workdir / "ingest" / VERSION_FILE
+    snapshot = extended_snapshot(ctx, version_json) if version_json.is_file() else None
+    if snapshot is None:
+        return []
+    return [snapshot.parent / f"v{k:04d}" for k in range(1, int(snapshot.name.lstrip("v")) + 1)]
+
+
+def comparison_params(ctx: RunContext) -> dict:
+    """The compare stage's parameters about versions: this one's number and lineage, the first
+    test set (version 1's split) and the earlier versions' records, from manifests."""
+    earlier = earlier_versions(ctx)
+    first = read_manifest(earlier[0] / "split") if earlier else None
+    records = [read_manifest(s / "compare") for s in earlier]
+    return {"versions": {
+        "version": len(earlier) + 1,
+        "lineage": earlier[0].parent.name if earlier else ctx.lineage,
+        "first_split": first.outputs["assignments.parquet"].sha256 if first else None,
+        "earlier_records": [m.outputs[RECORD_FILE].sha256
+                            if m is not None and RECORD_FILE in m.outputs else None
+                            for m in records]}}

@@ -138,7 +138,10 @@ def edge_sentence(edge: Mapping[str, Any]) -> str:
 def render_markdown(results: Sequence[Mapping[str, Any]], context: Mapping[str, Any],
                     effects: Sequence[Mapping[str, Any]] = (),
                     edges: Sequence[Mapping[str, Any]] | None = None,
-                    narrow: Sequence[Mapping[str, Any]] = ()) -> str:
+                    narrow: Sequence[Mapping[str, Any]] = (),
+                    sections: Sequence[str] = ()) -> str:
+    """The report: the results table, what pretraining bought, the statements, the grid edges,
+    `sections` (markdown, e.g. the corpus versions'), then the context."""
     _check_results(results)
     head = ("| method | label fraction | test accuracy [95% CI] | test macro-F1 [95% CI] "
             "| over seeds | val macro-F1 | selected on val | train time (s) | n_test |")
@@ -177,6 +180,8 @@ def render_markdown(results: Sequence[Mapping[str, Any]], context: Mapping[str, 
                       + "validation lies inside its grid."]
         else:
             lines += ["- None: every setting chosen on validation lies inside its grid."]
+    for section in sections:
+        lines += ["", section.rstrip("\n")]
     lines += ["", "## Context", ""]
     lines += [f"- **{key}**: {_plain(value)}" for key, value in context.items()]
     return "\n".join(lines) + "\n"
@@ -191,6 +196,7 @@ def write_report(
     kept_classifier: Mapping[str, Any] | None = None,
     edges: Sequence[Mapping[str, Any]] | None = None,
     narrow: Sequence[Mapping[str, Any]] = (),
+    sections: Sequence[str] = (),
 ) -> list[str]:
     """Write report.md, report.json and the plots into out_dir; return the file names written.
 
@@ -200,7 +206,7 @@ def write_report(
     _check_results(results)
     out_dir = Path(out_dir)
     atomic_write_text(out_dir / "report.md",
-                      render_markdown(results, context, effects, edges, narrow))
+                      render_markdown(results, context, effects, edges, narrow, sections))
     payload = {"results": [_json_safe(dict(r)) for r in results],
                "pretraining_effect": [_json_safe(dict(e)) for e in effects],
                "context": _json_safe(dict(context))}

@@ -78,6 +78,34 @@ def plot_confusion(y_true, y_pred, labels: Sequence, title: str, path: str | Pat
     return _save(fig, path)
 
 
+def plot_versions(records: Sequence[Mapping[str, Any]], methods: Sequence[str],
+                  path: str | Path) -> Path:
+    """Macro-F1 against corpus version (`report.versions` records), one panel per label
+    fraction, a line per method on the frozen first test set (solid) and on each version's
+    whole test set (dashed)."""
+    fractions = sorted({f for rec in records for scores in rec["macro_f1"]["first_test"].values()
+                        for f in scores}, key=float)
+    fig = Figure(figsize=(4 * len(fractions), 3.6))
+    for k, fraction in enumerate(fractions):
+        ax = fig.add_subplot(1, len(fractions), k + 1)
+        for method in methods:
+            for test_set, style in (("first_test", "o-"), ("all_test", "x--")):
+                points = [(rec["version"], rec["macro_f1"][test_set][method][fraction])
+                          for rec in records
+                          if fraction in rec["macro_f1"][test_set].get(method, {})]
+                if points:
+                    ax.plot(*zip(*points, strict=True), style,
+                            label=f"{method} ({'frozen' if test_set == 'first_test' else 'all'})")
+        ax.set_title(f"label fraction {fraction}")
+        ax.set_xlabel("corpus version")
+        ax.set_xticks([rec["version"] for rec in records])
+        ax.grid(alpha=0.3)
+        if k == 0:
+            ax.set_ylabel("test macro-F1")
+            ax.legend(fontsize="x-small")
+    return _save(fig, path)
+
+
 def _save(fig: Figure, path: str | Path, dpi: Any = 120, tight: bool = True) -> Path:
     FigureCanvasAgg(fig)  # attaches an Agg canvas: no pyplot, no global backend switch
     with atomic_path(path) as tmp:

@@ -14,6 +14,7 @@ from flows.pipeline import run_pipeline
 from flows.versions import read_lineage
 from selfsup_model.nn.saving import load_keras_model
 from selfsup_model.presets import build_config
+from selfsup_model.report.metrics import macro_f1
 
 CORPUS_STAGES = ["ingest", "dedup", "split"]
 # Word sets, so that the Jaccard of a constructed text is exact by hand (A + B: 1/2 with each).
@@ -207,24 +208,27 @@ def test_a_tracked_run_records_its_corpus_version_on_the_parent_run(tiny_run):
 
 
 UP_TO_PRETRAIN = [*CORPUS_STAGES, "tokenizer", "encode", "masks", "pretrain"]
+# The whole pipeline, kept small: one label fraction, one fine-tuning mode, no sentence model.
+SMALL = ["finetune.fractions=[1.0]", "finetune.modes=[full]", "finetune.learning_rates=[1e-3]",
+         "baseline.sentence_embeddings=off"]
 
 
-def test_a_later_version_continues_the_last_encoder_on_new_and_replayed_documents(
-        first_rows, tmp_path, caplog):
+def test_a_later_version_continues_the_last_encoder_and_is_scored_on_the_first_test_set(
+        first_rows, tmp_path, caplog, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)  # each workdir's own store
     corpus, wd = tmp_path / "corpus.jsonl", tmp_path / "wd"
     # A rate of ~0: the continued encoder must come out as version 1's, which proves where it
     # started from.
-    still = ["pretrain.learning_rate=1e-12", "pretrain.replay=0.5"]
+    still = [*SMALL, "pretrain.learning_rate=1e-12", "pretrain.replay=0.5"]
     write(corpus, first_rows)
-    run_pipeline(config(*still), str(corpus), workdir=str(wd), stages=UP_TO_PRETRAIN,
-                 tracking=False)
+    run_pipeline(config(*still), str(corpus), workdir=str(wd))
     first = load_keras_model(wd / "pretrain" / "encoder.keras").get_weights()
+    first_test = splits(wd)[lambda s: s == "test"].index
     new = [{"id": f"n{i}", "text": " ".join(words(f"new{i}_")), "label": f"c{i % 2}"}
            for i in range(12)]
     write(corpus, first_rows + new)
     with caplog.at_level(logging.INFO, logger="selfsup"):
-        grown = {r.stage: r for r in run_pipeline(config(*still), str(corpus), workdir=str(wd),
-                                                  stages=UP_TO_PRETRAIN, tracking=False)}
+        grown = {r.stage: r for r in run_pipeline(config(*still), str(corpus), workdir=str(wd))}
     train = splits(wd)[lambda s: s == "train"].index
     new_train = sum(i.startswith("n") for i in train)
     pre = grown["pretrain"].counts
@@ -247,12 +251,41 @@ def test_a_later_version_continues_the_last_encoder_on_new_and_replayed_document
     after = load_keras_model(wd / "pretrain" / "encoder.keras").get_weights()
     assert all(np.allclose(a, b, atol=1e-6) for a, b in zip(first, after, strict=True))
 
+    # Scored on the lineage's first test set (frozen) and on the whole test set (cumulative).
+    predictions = pd.read_parquet(wd / "compare" / "predictions.parquet")
+    tfidf = predictions[predictions["method"] == "tfidf_logreg"].set_index("id")
+    frozen = tfidf.loc[tfidf.index.isin(first_test)]
+    assert 0 < len(frozen) < len(tfidf) == int((splits(wd) == "test").sum())
+    record = json.loads((wd / "compare" / "version_metrics.json").read_text())
+    assert record["version"] == 2
+    assert record["test_documents"] == {"first_test": len(frozen), "all_test": len(tfidf)}
+    by_hand = macro_f1(frozen["label"], frozen["prediction"])
+    assert record["macro_f1"]["first_test"]["tfidf_logreg"]["1"] == pytest.approx(by_hand)
+    report = (wd / "compare" / "report.md").read_text()
+    assert "## Corpus versions" in report and "![macro-F1 across versions]" in report
+    rows = [line for line in report.splitlines() if line.startswith(("| 1 |", "| 2 |"))]
+    assert [r.split(" | ")[3] for r in rows] == ["from scratch, 12 steps",
+                                                 f"continues v1, {pre['steps']} steps"]
+    assert (wd / "compare" / "macro_f1_vs_version.png").stat().st_size > 0
+    # Both runs are in the workdir's store; the last holds the series over versions.
+    client = MlflowClient(f"sqlite:///{wd / 'mlflow.db'}")
+    parents = [r for r in client.search_runs([client.get_experiment_by_name(
+        "selfsup").experiment_id]) if "mlflow.parentRunId" not in r.data.tags]
+    assert sorted(p.data.tags["selfsup.corpus_version"] for p in parents) == ["1", "2"]
+    last = next(p for p in parents if p.data.tags["selfsup.corpus_version"] == "2")
+    history = client.get_metric_history(
+        last.info.run_id, "versions/tfidf_logreg/fraction_1/first_test_macro_f1")
+    assert [(m.step, m.value) for m in sorted(history, key=lambda m: m.step)] == [
+        (1, pytest.approx(json.loads((wd / "versions" / read_lineage(wd)["lineage"] / "v0001"
+                                      / "compare" / "version_metrics.json").read_text())
+                          ["macro_f1"]["first_test"]["tfidf_logreg"]["1"])),
+        (2, pytest.approx(by_hand))]
+
     # The control: from random initialisation on the whole training split (another seed: a
     # continued encoder would still come out as version 1's).
     scratch = {r.stage: r for r in run_pipeline(
         config(*still, "pretrain.versions=scratch", "pretrain.seed=7"), str(corpus),
-        workdir=str(wd),
-        stages=UP_TO_PRETRAIN, tracking=False)}
+        workdir=str(wd), stages=UP_TO_PRETRAIN, tracking=False)}
     counts = scratch["pretrain"].counts
     assert counts["initialised_from"] == "random initialisation"
     assert counts["train_windows"] == 2 * len(train) and counts["steps"] == 12
