@@ -99,6 +99,15 @@ def _run_and_wait(env, deployment: str, params: dict, timeout: float = 420) -> d
         time.sleep(2)
 
 
+def _add_documents(folder: Path, numbers) -> None:
+    """Documents of two labels, a folder each, with words of their own."""
+    for i in numbers:
+        label = ("birds", "fish")[i % 2]
+        (folder / label).mkdir(parents=True, exist_ok=True)
+        (folder / label / f"{i}.txt").write_text(
+            " ".join(f"{label}{i % 7}w{j} doc{i}x{j}" for j in range(12)), encoding="utf-8")
+
+
 def test_deploy_schedule_and_rerun_one_stage(prefect_server, tmp_path):
     env, _ = prefect_server
     _prefect(env, "work-pool", "create", "selfsup-process", "--type", "process")
@@ -108,23 +117,39 @@ def test_deploy_schedule_and_rerun_one_stage(prefect_server, tmp_path):
     scoring = _api(env, "deployments/name/selfsup-predict/nightly-scoring")
     assert [s["active"] for s in scoring["schedules"]] == [False]  # the nightly ships paused
 
-    workdir = tmp_path / "wd"
+    weekly = _api(env, "deployments/name/selfsup-pipeline/weekly")
+    assert [s["schedule"]["cron"] for s in weekly["schedules"]] == ["0 3 * * 1"]
+    assert weekly["parameters"]["corpus_format"] == "folder"
+
+    workdir, corpus = tmp_path / "wd", tmp_path / "weekly"
+    _add_documents(corpus, range(40))
     # The sentence-embedding baseline is the tiny run's slowest stage and has its own tests.
-    run = _run_and_wait(env, "selfsup-pipeline/weekly",
-                        {"preset": "tiny", "workdir": str(workdir),
-                         "overrides": json.dumps(["baseline.sentence_embeddings=off"])})
+    params = {"preset": "tiny", "workdir": str(workdir), "corpus": str(corpus),
+              "overrides": json.dumps(["baseline.sentence_embeddings=off"])}
+    run = _run_and_wait(env, "selfsup-pipeline/weekly", params)
     assert run["state"]["type"] == "COMPLETED", run["state"]
     manifests = {p.parent.name: json.loads(p.read_text()) for p in workdir.glob("*/manifest.json")}
     assert set(manifests) >= {"ingest", "pretrain", "compare"}
     assert manifests["baseline"]["params"]["baseline"]["sentence_embeddings"] == "off"
+    first = pd.read_parquet(workdir / "split" / "assignments.parquet").set_index("id")["split"]
 
     before = {name: m["finished_at"] for name, m in manifests.items()}
     rerun = _run_and_wait(env, "selfsup-stage/rerun-stage",
-                          {"stage": "masks", "preset": "tiny", "workdir": str(workdir)})
+                          {"stage": "masks", "preset": "tiny", "workdir": str(workdir),
+                           "corpus": str(corpus), "corpus_format": "folder"})
     assert rerun["state"]["type"] == "COMPLETED", rerun["state"]
     after = {p.parent.name: json.loads(p.read_text())["finished_at"]
              for p in workdir.glob("*/manifest.json")}
     assert [name for name in after if after[name] != before[name]] == ["masks"]
+
+    # A week later the folder has grown: the run makes version 2; nothing moves.
+    _add_documents(corpus, range(40, 46))
+    grown = _run_and_wait(env, "selfsup-pipeline/weekly", {**params, "to_stage": "split"})
+    assert grown["state"]["type"] == "COMPLETED", grown["state"]
+    lineage = json.loads((workdir / "versions" / "lineage.json").read_text())
+    assert [v["counts"].get("new") for v in lineage["versions"]] == [None, 6]
+    second = pd.read_parquet(workdir / "split" / "assignments.parquet").set_index("id")["split"]
+    assert len(second) == len(first) + 6 and second[first.index].equals(first)
 
     inbox = tmp_path / "incoming"
     inbox.mkdir()
