@@ -37,6 +37,7 @@ from selfsup_model.artifacts import (
 from selfsup_model.config import CorpusFormat, PipelineConfig
 from selfsup_model.errors import ArtifactError
 from tasks.registry import STAGE_NAMES
+from tasks.stage import fault_point
 
 log = logging.getLogger("selfsup.versions")
 VERSIONS_DIR = "versions"
@@ -200,6 +201,7 @@ def commit_version(workdir: Path, start: LineageStart) -> int | None:
     _link_tree(workdir, stages, staging)
     shutil.rmtree(final, ignore_errors=True)  # a snapshot of this version, refreshed
     staging.rename(final)
+    fault_point("version-switch")
     same = state is not None and state["lineage"] == lineage
     atomic_write_json(workdir / VERSIONS_DIR / LINEAGE_FILE, {  # the switch: the last write
         "lineage": lineage, "settings": start.settings,

@@ -261,7 +261,7 @@ def run_stage(spec: StageSpec, ctx: RunContext, compute: Compute) -> StageResult
             ctx.tracking.stage_failed(run)
         raise
     duration = time.perf_counter() - t0
-    _fault_point(spec.name)
+    fault_point(spec.name)
     manifest = StageManifest(
         stage=spec.name, code_version=code_version(spec), params=params, inputs=inputs,
         outputs=record_outputs(stage_dir, out.files), counts=_canonical(out.counts),
@@ -277,10 +277,12 @@ def run_stage(spec: StageSpec, ctx: RunContext, compute: Compute) -> StageResult
                        duration, reason)
 
 
-def _fault_point(stage: str) -> None:
-    """Fault injection for the reliability tests: SELFSUP_FAULT_KILL=<stage> SIGKILLs this process
-    after the stage wrote its outputs and before its manifest, the worst moment to die."""
-    if os.environ.get("SELFSUP_FAULT_KILL") == stage:
+def fault_point(where: str) -> None:
+    """Fault injection for the reliability tests: SELFSUP_FAULT_KILL=<where> SIGKILLs this
+    process there: a stage's name, after the stage wrote its outputs and before its manifest (the
+    worst moment to die); "version-switch", after a corpus version's snapshot and before the
+    switch to it."""
+    if os.environ.get("SELFSUP_FAULT_KILL") == where:
         os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -177,3 +177,46 @@ def test_unreachable_mlflow_store_fails_clearly_before_any_stage(tmp_path):
     assert "MLflow tracking store http://127.0.0.1:9 is unavailable" in result.stderr
     assert "--no-tracking" in result.stderr
     assert not list(wd.glob("*/manifest.json"))
+
+
+def test_a_version_killed_at_any_moment_leaves_the_last_one_complete(tmp_path):
+    """SIGKILL while a grown corpus is split, then between the new version's snapshot and the
+    switch to it: version 1 stays the workdir's last complete version, intact; a rerun makes
+    version 2, in which no document of version 1 moved."""
+    from flows.pipeline import run_pipeline
+    from flows.versions import read_lineage
+    from selfsup_model.artifacts import read_manifest, verify_outputs
+    from selfsup_model.presets import build_config
+
+    corpus, wd = tmp_path / "corpus.jsonl", tmp_path / "wd"
+    rows = [{"id": f"d{i}", "text": " ".join(f"t{i}w{j}" for j in range(12)), "label": f"c{i % 2}"}
+            for i in range(40)]
+    corpus.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    stages = ["ingest", "dedup", "split"]
+    run_pipeline(build_config("tiny"), str(corpus), workdir=str(wd), stages=stages,
+                 tracking=False)
+    state = read_lineage(wd)
+    v1 = wd / "versions" / state["lineage"] / "v0001"
+    before = _splits(wd)
+    rows += [{"id": f"n{i}", "text": " ".join(f"new{i}w{j}" for j in range(12)), "label": "c0"}
+             for i in range(5)]
+    corpus.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    args = ("--corpus", str(corpus), "--to", "split", "--no-tracking")
+    for where in ("split", "version-switch"):
+        killed = _cli(wd, *args, env={"SELFSUP_FAULT_KILL": where}, tmp=tmp_path)
+        assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+        assert read_lineage(wd) == state
+        for stage in stages:
+            assert not verify_outputs(v1 / stage, read_manifest(v1 / stage)), (where, stage)
+        assert _splits(v1).equals(before)
+    again = _cli(wd, *args, tmp=tmp_path)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert [v["version"] for v in read_lineage(wd)["versions"]] == [1, 2]
+    after = _splits(wd)
+    assert len(after) == 45 and after[before.index].equals(before)
+
+
+def _splits(workdir: Path):
+    import pandas as pd
+
+    return pd.read_parquet(workdir / "split" / "assignments.parquet").set_index("id")["split"]
