@@ -241,8 +241,10 @@ class ShingleCache:
         self.row = np.full(len(texts), -1, dtype=np.int64)  # (n,) set index of each doc
         self._values = np.empty(1 << 16, dtype=np.uint32)  # every set held, then room
         self.offsets = np.zeros(1, dtype=np.int64)  # (sets + 1,) into the values
-        self.bits = np.empty((0, _SKETCH_BITS // 64), dtype=np.uint64)  # grown by `may_reach`
-        self.spill = np.empty(0, dtype=np.int64)
+        # sketches of the first `sketched` sets, grown by `may_reach` (by half when full)
+        self._bits = np.empty((0, _SKETCH_BITS // 64), dtype=np.uint64)
+        self._spill = np.empty(0, dtype=np.int64)
+        self.sketched = 0
 
     @property
     def values(self) -> np.ndarray:
@@ -273,17 +275,24 @@ class ShingleCache:
         ~370 shingles a document it rules out pairs up to J ~ 0.45 for the cost
         of a 1 KiB gather instead of a merge of both shingle lists."""
         self.add(pairs)
-        done = len(self.bits)
-        if done < len(self.offsets) - 1:
-            bits, spill = occupancy_sketch(self.values, self.offsets[done:])
-            self.bits, self.spill = np.concatenate([self.bits, bits]), np.r_[self.spill, spill]
+        done, held = self.sketched, len(self.offsets) - 1
+        if done < held:
+            if held > len(self._bits):  # grow by half at least: amortised, as the values
+                capacity = max(len(self._bits) * 3 // 2, held)
+                self._bits = np.r_[self._bits[:done],
+                                   np.empty((capacity - done, _SKETCH_BITS // 64), np.uint64)]
+                self._spill = np.r_[self._spill[:done], np.empty(capacity - done, np.int64)]
+            self._bits[done:held], self._spill[done:held] = occupancy_sketch(
+                self.values, self.offsets[done:])
+            self.sketched = held
+        bits, spill = self._bits, self._spill
         left, right = self.row[pairs[:, 0]], self.row[pairs[:, 1]]
         sizes = np.diff(self.offsets)
         out = np.empty(len(pairs), dtype=bool)
         for lo in range(0, len(pairs), _BOUND_CHUNK):
             lft, rgt = left[lo : lo + _BOUND_CHUNK], right[lo : lo + _BOUND_CHUNK]
-            shared = np.bitwise_count(self.bits[lft] & self.bits[rgt]).sum(axis=1, dtype=np.int64)
-            inter = shared + np.minimum(self.spill[lft], self.spill[rgt])  # >= |A & B|
+            shared = np.bitwise_count(bits[lft] & bits[rgt]).sum(axis=1, dtype=np.int64)
+            inter = shared + np.minimum(spill[lft], spill[rgt])  # >= |A & B|
             out[lo : lo + len(lft)] = inter / (sizes[lft] + sizes[rgt] - inter) >= threshold
         return out
 

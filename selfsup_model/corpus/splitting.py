@@ -346,19 +346,62 @@ def documents_in_split(
 QUARANTINE_COLUMNS = ("id", "reason", "splits", "related_ids")
 
 
-def _new_unit_edges(corpus: SplitCorpus, new: np.ndarray, cfg: SplitConfig,
-                    judge: PairJudge) -> tuple[np.ndarray, dict[str, int]]:
-    """Edges of a grown corpus' unit graph that touch a new document: shared dedup clusters and
-    groups, and related pairs among both of unit building's bandings' bucket-mates: (m, 2)."""
+# A new document's candidates among one split's earlier documents are judged in rounds of
+# these ranks ([0, 4), [4, 64), the rest), and no longer once one of them is related.
+_ROUNDS = (0, 4, 64)
+
+
+def _new_unit_edges(corpus: SplitCorpus, new: np.ndarray, split_idx: np.ndarray,
+                    cfg: SplitConfig, judge: PairJudge) -> tuple[np.ndarray, dict[str, int]]:
+    """Edges of a grown corpus' unit graph that touch a new document, (m, 2): shared dedup
+    clusters and groups, and related pairs among both of unit building's bandings'
+    bucket-mates (`_reaching_edges`). `split_idx` is each earlier document's split (0-2, 3:
+    quarantined; -1 for a new one)."""
     edges = [same_code_pairs(np.asarray(corpus.cluster_ids, dtype=np.int64))]
     if cfg.use_groups:
         edges.append(same_code_pairs(value_codes(corpus.groups)))
     shared = np.concatenate(edges)
     shared = shared[new[shared[:, 0]] | new[shared[:, 1]]]
-    related = [judge.related(pairs)[0] for seed in (None, UNIT_COLUMN_SEED)
+    reached = np.zeros((len(new), len(SPLITS) + 1), dtype=bool)
+    to_old = shared[new[shared[:, 0]] != new[shared[:, 1]]]
+    newer = np.where(new[to_old[:, 0]], to_old[:, 0], to_old[:, 1])
+    reached[newer, split_idx[to_old.sum(axis=1) - newer]] = True
+    related = [_reaching_edges(judge, pairs, new, split_idx, reached)
+               for seed in (None, UNIT_COLUMN_SEED)
                for pairs in query_candidates(*relatedness_banding(
                    corpus.signatures, cfg.relatedness_threshold, seed), new, _PAIR_BUDGET)]
     return np.concatenate([shared, *related]), dict(judge.counts)
+
+
+def _reaching_edges(judge: PairJudge, pairs: np.ndarray, new: np.ndarray,
+                    split_idx: np.ndarray, reached: np.ndarray) -> np.ndarray:
+    """The related pairs among candidates with a new document that placement needs.
+
+    Every pair of two new documents is judged: they make the components that move together.
+    A new document's pairs with earlier documents only say which splits it reaches, so once
+    one pair relates it to a split (`reached`, (n, 4), updated here, kept across calls) its
+    other candidates in that split are skipped: they are judged in rounds by rank within
+    (new document, split) (`_ROUNDS`). What a new document does not reach is still judged
+    whole, so no relation that changes a placement is missed; the audit then judges every
+    cross-split pair of the result."""
+    both = new[pairs[:, 0]] & new[pairs[:, 1]]
+    out = [judge.related(pairs[both])[0]]
+    newer = np.where(new[pairs[:, 0]], pairs[:, 0], pairs[:, 1])[~both]
+    older = (pairs[:, 0] + pairs[:, 1])[~both] - newer
+    key = newer * reached.shape[1] + split_idx[older]
+    order = np.argsort(key, kind="stable")
+    newer, older, key = newer[order], older[order], key[order]
+    rank = np.arange(len(key)) - np.searchsorted(key, key, side="left")
+    for lo, hi in zip(_ROUNDS, (*_ROUNDS[1:], len(key) + 1), strict=True):
+        take = np.flatnonzero((rank >= lo) & (rank < hi))
+        take = take[~reached[newer[take], split_idx[older[take]]]]
+        if not len(take):
+            continue
+        found = judge.related(np.stack([newer[take], older[take]], axis=1))[0]
+        to_new = np.where(new[found[:, 0]], found[:, 0], found[:, 1])
+        reached[to_new, split_idx[found[:, 0] + found[:, 1] - to_new]] = True
+        out.append(found)
+    return np.concatenate(out)
 
 
 def extend_splits(
@@ -402,7 +445,7 @@ def extend_splits(
     new = split_idx < 0
 
     judge = corpus.judge(cfg, dedup_cfg)
-    edges, links = _new_unit_edges(corpus, new, cfg, judge)
+    edges, links = _new_unit_edges(corpus, new, split_idx, cfg, judge)
     # New documents connected among themselves move together; the earlier documents they
     # touch directly say where: a (components, 4) table of the splits each one reaches.
     both_new = new[edges[:, 0]] & new[edges[:, 1]]
