@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import sys
 import tempfile
 import typing
@@ -14,6 +15,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from flows.executors import EXECUTORS, Sharding
+from flows.shutdown import RunStopped, stop_signals
 from selfsup_model.config import DEFAULT_WORKDIR, CorpusFormat
 from selfsup_model.errors import UserError
 from selfsup_model.presets import PRESETS
@@ -171,7 +173,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     _print_comparison(Path(args.workdir) / "compare")
     print(f"Outputs: {args.workdir}/<stage>/   "
           f"Summary: selfsup report --workdir {args.workdir} --json")
-    print(f"MLflow:  selfsup ui --workdir {args.workdir}")
+    if not args.no_tracking:
+        print(f"MLflow:  selfsup ui --workdir {args.workdir}")
     return 0
 
 
@@ -429,12 +432,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     for noisy in ("httpx", "httpcore", "alembic", "mlflow.store"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
-        return COMMANDS[args.command](args)
+        with stop_signals():
+            return COMMANDS[args.command](args)
     except UserError as exc:
         if args.debug:
             raise
         print(f"selfsup: error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
+    except (RunStopped, KeyboardInterrupt) as exc:
+        signum = exc.signum if isinstance(exc, RunStopped) else signal.SIGINT
+        print(f"selfsup: stopped by {signal.Signals(signum).name}; completed stages are kept "
+              "and a rerun goes on from there", file=sys.stderr)
+        return 128 + signum
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from selfsup_model.pretraining.devices import join_processes, process_index
 from selfsup_model.serving.scoring import write_predictions
 from tasks import joined
 from tasks.registry import STAGE_NAMES, select_stages, stage_tasks, stages_shaped_by
-from tasks.stage import RunContext, StageResult
+from tasks.stage import RunContext, StageResult, stopped
 
 log = logging.getLogger("selfsup.pipeline")
 
@@ -108,9 +108,9 @@ def run_pipeline(
             for name in stages:
                 results.append(tasks[name](ctx))
             version = commit_version(wd, lineage)  # the version switch: the run's last write
-        except BaseException:
-            if tracker:
-                tracker.end_run(parent, "FAILED")
+        except BaseException as exc:
+            if tracker:  # a stopped run is KILLED, as its stage in flight
+                tracker.end_run(parent, "KILLED" if stopped(exc) else "FAILED")
             raise
         if tracker:
             if version is not None:  # the corpus lineage: a digest and counts per version

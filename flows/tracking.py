@@ -187,8 +187,8 @@ class PipelineTracking:
         self.tracker.log_params(run_id, flatten("", params))
         return run_id
 
-    def stage_failed(self, run: str) -> None:
-        self.tracker.end_run(run, "FAILED")
+    def stage_failed(self, run: str, status: str = "FAILED") -> None:
+        self.tracker.end_run(run, status)
 
     def stage_finished(self, run: str, manifest: StageManifest, manifest_path: Path,
                        artifacts: list[Path]) -> None:

@@ -50,7 +50,7 @@ class StageTracking(Protocol):
 
     def stage_started(self, stage: str, params: dict[str, Any], reason: str) -> str: ...
 
-    def stage_failed(self, run: str) -> None: ...
+    def stage_failed(self, run: str, status: str = "FAILED") -> None: ...
 
     def stage_finished(self, run: str, manifest: StageManifest, manifest_path: Path,
                        artifacts: list[Path]) -> None: ...
@@ -256,9 +256,9 @@ def run_stage(spec: StageSpec, ctx: RunContext, compute: Compute) -> StageResult
         out = compute(dataclasses.replace(ctx, stage_run=run), stage_dir,
                       {k: ctx.artifact(k)
                        for k in (*spec.inputs, *(f"{m}/{MANIFEST_NAME}" for m in spec.manifests))})
-    except BaseException:
+    except BaseException as exc:
         if ctx.tracking is not None:
-            ctx.tracking.stage_failed(run)
+            ctx.tracking.stage_failed(run, "KILLED" if stopped(exc) else "FAILED")
         raise
     duration = time.perf_counter() - t0
     fault_point(spec.name)
@@ -275,6 +275,15 @@ def run_stage(spec: StageSpec, ctx: RunContext, compute: Compute) -> StageResult
     log.info("%s: done in %.1fs %s", spec.name, duration, json.dumps(out.counts, default=str)[:400])
     return StageResult(spec.name, "ran", str(stage_dir), manifest.counts, manifest.metrics,
                        duration, reason)
+
+
+def stopped(exc: BaseException) -> bool:
+    """Whether `exc` is a run being stopped (SIGTERM or SIGINT: Prefect's TerminationSignal, a
+    KeyboardInterrupt, `flows.shutdown.RunStopped`) rather than failing."""
+    from prefect.exceptions import TerminationSignal
+
+    return isinstance(exc, (KeyboardInterrupt, TerminationSignal)) or (
+        isinstance(exc, SystemExit) and getattr(exc, "signum", None) is not None)
 
 
 def fault_point(where: str) -> None:

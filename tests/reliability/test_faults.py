@@ -3,10 +3,12 @@ store."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -83,6 +85,7 @@ def test_killed_stage_is_never_trusted_and_rerun_matches_an_uninterrupted_run(
     again = _cli(wd, "--to", "masks", "--no-tracking", tmp=tmp_path)
     assert again.returncode == 0, again.stderr[-2000:]
     assert f"{stage}: running (no valid manifest)" in again.stderr
+    assert "Outputs:" in again.stdout and "selfsup ui" not in again.stdout  # nothing tracked
     for key in DETERMINISTIC:
         assert sha256_file(wd / key) == sha256_file(reference / key), key
 
@@ -220,3 +223,64 @@ def _splits(workdir: Path):
     import pandas as pd
 
     return pd.read_parquet(workdir / "split" / "assignments.parquet").set_index("id")["split"]
+
+
+def test_sigterm_stops_the_run_at_a_safe_point_and_leaves_nothing_running(tmp_path):
+    """`selfsup run` without PREFECT_API_URL starts a temporary Prefect server; SIGTERM during
+    pretraining (what a cancelled deployment run, `timeout` or Kubernetes sends) must stop the
+    run with status 143, end its MLflow runs as KILLED, leave no manifest for the stage in
+    flight, release the workdir lock and leave no process of the run (the server included)."""
+    import psutil
+    from mlflow.tracking import MlflowClient
+
+    from flows.lock import workdir_lock
+
+    corpus, wd, db = tmp_path / "corpus.jsonl", tmp_path / "wd", tmp_path / "mlflow.db"
+    rows = [{"id": f"d{i}", "text": " ".join(f"t{i % 9}w{j} d{i}x{j}" for j in range(12)),
+             "label": f"c{i % 2}"} for i in range(60)]
+    corpus.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env.update(MLFLOW_TRACKING_URI=f"sqlite:///{db}", PREFECT_HOME=str(tmp_path / "prefect"))
+    err_path = tmp_path / "err"
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "flows.cli", "run", "--preset", "tiny", "--corpus",
+             str(corpus), "--workdir", str(wd), "--set", "pretrain.steps=100000"],
+            env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while "pretrain: running" not in err_path.read_text() and proc.poll() is None:
+            assert time.monotonic() < deadline, err_path.read_text()[-2000:]
+            time.sleep(0.5)
+        assert proc.poll() is None, err_path.read_text()[-3000:]
+        time.sleep(2)  # into the training loop
+        port = int(err_path.read_text().split("Starting temporary server on http://127.0.0.1:")[1]
+                   .split()[0].strip("/"))
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert children, "the temporary Prefect server should be a child of the run"
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM, err_path.read_text()[-3000:]
+        _, alive = psutil.wait_procs(children, timeout=10)
+        assert not alive, [p.cmdline() for p in alive]
+        assert time.monotonic() - started < 30
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    stderr = err_path.read_text()
+    assert "stopped by SIGTERM" in stderr
+    with pytest.raises(ProcessLookupError):  # nothing left in the run's session
+        os.killpg(proc.pid, 0)
+    with socket.socket() as sock:  # nothing listens on the server's port (TIME_WAIT aside)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port))
+        sock.listen()
+    assert not (wd / "pretrain" / "manifest.json").exists()
+    assert (wd / "masks" / "manifest.json").exists()
+    with workdir_lock(wd):  # released
+        pass
+    client = MlflowClient(f"sqlite:///{db}")
+    runs = client.search_runs([client.get_experiment_by_name("selfsup").experiment_id])
+    status = {r.info.run_name.split(":")[0]: r.info.status for r in runs}
+    assert status["pipeline"] == "KILLED" and status["pretrain"] == "KILLED"
+    assert status["masks"] == "FINISHED"
