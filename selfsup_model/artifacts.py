@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from selfsup_model.errors import ArtifactError
+from selfsup_model.errors import ArtifactError, DiskFullError
 
 MANIFEST_NAME = "manifest.json"
 _CHUNK = 1 << 20
@@ -42,13 +44,34 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     os.close(fd)
     tmp_path = Path(tmp)
     try:
-        yield tmp_path
-        with open(tmp_path, "rb+") as fh:
-            os.fsync(fh.fileno())
+        with _disk_full_named(final, tmp_path):
+            yield tmp_path
+            with open(tmp_path, "rb+") as fh:
+                os.fsync(fh.fileno())
         os.replace(tmp_path, final)
     finally:
         if tmp_path.exists():
             tmp_path.unlink()
+
+
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+@contextlib.contextmanager
+def _disk_full_named(final: Path, tmp: Path) -> Iterator[None]:
+    """Turn "no space left" (or quota) while writing `tmp` into one DiskFullError naming the
+    file, what it had written and the space left, instead of a library's traceback."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in _NO_SPACE and "No space left on device" not in str(exc):
+            raise
+        written = tmp.stat().st_size if tmp.exists() else 0
+        free = shutil.disk_usage(final.parent).free
+        raise DiskFullError(
+            f"no space left to write {final}: it needs more than the {written:,} bytes written "
+            f"when the device filled, and {free:,} bytes are free there; free some space and "
+            "rerun (completed stages are kept, this one reruns)") from None
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
@@ -88,7 +111,8 @@ def save_keras_atomic(model: Any, path: str | os.PathLike) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}.keras")  # save() insists on .keras
     try:
-        model.save(tmp)
+        with _disk_full_named(path, tmp):
+            model.save(tmp)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

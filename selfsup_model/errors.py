@@ -11,3 +11,7 @@ class CorpusError(UserError):
 
 class ArtifactError(UserError):
     """A stored artifact is missing, tampered with or from another run."""
+
+
+class DiskFullError(UserError):
+    """A file could not be written for lack of space (or quota); nothing half-written stays."""

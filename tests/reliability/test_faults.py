@@ -284,3 +284,43 @@ def test_sigterm_stops_the_run_at_a_safe_point_and_leaves_nothing_running(tmp_pa
     status = {r.info.run_name.split(":")[0]: r.info.status for r in runs}
     assert status["pipeline"] == "KILLED" and status["pretrain"] == "KILLED"
     assert status["masks"] == "FINISHED"
+
+
+def test_a_full_disk_fails_the_stage_in_one_line_and_a_rerun_with_space_completes(
+        tmp_path, monkeypatch):
+    """The device fills while split writes its assignments (fsync is where a delayed
+    allocation reports it): one line naming the file, no manifest, no half-written file."""
+    import errno
+
+    import selfsup_model.artifacts
+    from flows.pipeline import run_pipeline
+    from selfsup_model.errors import DiskFullError
+    from selfsup_model.presets import build_config
+
+    corpus, wd = tmp_path / "corpus.jsonl", tmp_path / "wd"
+    rows = [{"id": f"d{i}", "text": " ".join(f"t{i}w{j}" for j in range(12)), "label": f"c{i % 2}"}
+            for i in range(30)]
+    corpus.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        if os.readlink(f"/proc/self/fd/{fd}").rsplit("/", 1)[-1].startswith(
+                ".assignments.parquet."):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_fsync(fd)
+
+    monkeypatch.setattr(selfsup_model.artifacts.os, "fsync", fsync)
+    stages = ["ingest", "dedup", "split"]
+    with pytest.raises(DiskFullError) as failed:
+        run_pipeline(build_config("tiny"), str(corpus), workdir=str(wd), stages=stages,
+                     tracking=False)
+    message = str(failed.value)
+    assert "\n" not in message and str(wd / "split" / "assignments.parquet") in message
+    assert "bytes are free there" in message
+    assert not (wd / "split" / "manifest.json").exists()
+    assert not list((wd / "split").glob(".*.tmp")) and not (wd / "split" /
+                                                            "assignments.parquet").exists()
+    monkeypatch.setattr(selfsup_model.artifacts.os, "fsync", real_fsync)
+    again = run_pipeline(build_config("tiny"), str(corpus), workdir=str(wd), stages=stages,
+                         tracking=False)
+    assert [r.status for r in again] == ["skipped", "skipped", "ran"]
