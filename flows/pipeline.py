@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 from typing import Any, Literal
@@ -13,7 +14,13 @@ from flows.executors import Executor, Sharding, open_fan_out
 from flows.lock import workdir_lock
 from flows.predict import label_counts_markdown, run_predict
 from flows.settings import RunSettings, changed_keys, read_settings, write_settings
-from flows.tracking import PipelineTracking, Tracker, default_tracking_uri, flatten
+from flows.tracking import (
+    PipelineTracking,
+    Tracker,
+    TrackingUnavailable,
+    default_tracking_uri,
+    flatten,
+)
 from flows.versions import (
     LINEAGE_FILE,
     VERSIONS_DIR,
@@ -88,6 +95,9 @@ def run_pipeline(
         if tracking:
             tracker = Tracker(default_tracking_uri(wd), config.experiment,
                               artifact_root=wd / "mlartifacts")
+            if closed := tracker.close_abandoned(wd):
+                log.info("MLflow: %d earlier run(s) on this workdir never finished (killed, or "
+                         "their tracking server went away); marked FAILED", closed)
             parent = tracker.start_run(f"pipeline:{Path(str(corpus)).name}", {
                 "selfsup.corpus": str(corpus), "selfsup.preset": preset,
                 "selfsup.workdir": str(wd.resolve()),
@@ -110,7 +120,8 @@ def run_pipeline(
             version = commit_version(wd, lineage)  # the version switch: the run's last write
         except BaseException as exc:
             if tracker:  # a stopped run is KILLED, as its stage in flight
-                tracker.end_run(parent, "KILLED" if stopped(exc) else "FAILED")
+                with contextlib.suppress(TrackingUnavailable):  # the first error is the one
+                    tracker.end_run(parent, "KILLED" if stopped(exc) else "FAILED")
             raise
         if tracker:
             if version is not None:  # the corpus lineage: a digest and counts per version

@@ -7,17 +7,20 @@ run id, so Prefect's task threads and a resumed run cannot log to the wrong plac
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import json
 import logging
 import math
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+import requests
 from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, ErrorCode
@@ -85,11 +88,38 @@ def numeric_items(obj: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
     return out
 
 
+class TrackingUnavailable(UserError):
+    """The MLflow tracking server stopped answering during a run."""
+
+
+# A tracking server that went away should fail the run in seconds, not after MLflow's default of
+# 7 retries with backoff factor 2 (minutes of waiting per call). The user's own settings win.
+_HTTP_RETRIES = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                 "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
+
+
+def _answering(method):
+    """A Tracker method whose failure to reach a tracking server raises TrackingUnavailable
+    (one line naming the server); once lost, later calls fail at once instead of retrying."""
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        if self.lost is not None:
+            raise self.lost
+        with self.answering():
+            return method(self, *args, **kwargs)
+
+    return call
+
+
 class Tracker:
     """A thin, explicit-run-id wrapper around `MlflowClient`."""
 
     def __init__(self, tracking_uri: str, experiment: str, artifact_root: Path | None = None):
         self.tracking_uri = tracking_uri
+        self.lost: TrackingUnavailable | None = None
+        if is_tracking_server(tracking_uri):
+            for name, value in _HTTP_RETRIES.items():
+                os.environ.setdefault(name, value)
         self.client = MlflowClient(tracking_uri=tracking_uri)
         try:
             found = self.client.get_experiment_by_name(experiment)
@@ -128,6 +158,43 @@ class Tracker:
                      name, found.experiment_id)
             return found.experiment_id
 
+    @contextlib.contextmanager
+    def answering(self) -> Iterator[None]:
+        """Raise TrackingUnavailable where a tracking server fails to answer; remember it."""
+        if not is_tracking_server(self.tracking_uri):
+            yield
+            return
+        try:
+            yield
+        except (MlflowException, requests.exceptions.RequestException) as exc:
+            text = str(exc).strip().splitlines()
+            if isinstance(exc, MlflowException) and "API request to" not in (text or [""])[0]:
+                raise  # the server answered: an error of ours, not a lost server
+            self.lost = TrackingUnavailable(
+                f"MLflow tracking server {self.tracking_uri} stopped answering "
+                f"({(text or [type(exc).__name__])[0][:160]}); the stages completed so far are "
+                "kept: rerun once it is back (they are skipped, and tracked again), or with "
+                "--no-tracking")
+            raise self.lost from None
+
+    @_answering
+    def close_abandoned(self, workdir: Path) -> int:
+        """End as FAILED the runs an earlier pipeline run on `workdir` left RUNNING (it was
+        killed, or lost its tracking server); the caller holds the workdir lock, so none of them
+        is still going. Returns how many parent runs were closed."""
+        running = self.client.search_runs([self.experiment_id],
+                                          "attributes.status = 'RUNNING'", max_results=5000)
+        where = str(workdir.resolve())
+        parents = {r.info.run_id for r in running if r.data.tags.get("selfsup.workdir") == where
+                   and "mlflow.parentRunId" not in r.data.tags}
+        for run in running:
+            if run.info.run_id in parents or run.data.tags.get("mlflow.parentRunId") in parents:
+                self.client.set_tag(run.info.run_id, "selfsup.ended_by",
+                                    "a later run on its workdir: it never finished")
+                self.client.set_terminated(run.info.run_id, "FAILED")
+        return len(parents)
+
+    @_answering
     def start_run(self, name: str, tags: Mapping[str, str], parent_id: str | None = None) -> str:
         tags = dict(tags)
         if parent_id:
@@ -135,27 +202,33 @@ class Tracker:
         run = self.client.create_run(self.experiment_id, run_name=name, tags=tags)
         return run.info.run_id
 
+    @_answering
     def log_params(self, run_id: str, params: Mapping[str, str]) -> None:
         items = [Param(k, v) for k, v in sorted(params.items())]
         for i in range(0, len(items), 90):  # MLflow caps params per batch at 100
             self.client.log_batch(run_id, params=items[i : i + 90])
 
+    @_answering
     def log_metrics(self, run_id: str, metrics: Mapping[str, float], step: int = 0) -> None:
         now = int(time.time() * 1000)
         items = [Metric(k, float(v), now, int(step)) for k, v in sorted(metrics.items())]
         for i in range(0, len(items), _BATCH):
             self.client.log_batch(run_id, metrics=items[i : i + _BATCH])
 
+    @_answering
     def set_tags(self, run_id: str, tags: Mapping[str, str]) -> None:
         self.client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
 
+    @_answering
     def log_artifact(self, run_id: str, path: str | os.PathLike,
                      artifact_path: str | None = None) -> None:
         self.client.log_artifact(run_id, str(path), artifact_path)
 
+    @_answering
     def log_inputs(self, run_id: str, datasets: list[DatasetInput]) -> None:
         self.client.log_inputs(run_id, datasets=datasets)
 
+    @_answering
     def end_run(self, run_id: str, status: str = "FINISHED") -> None:
         self.client.set_terminated(run_id, status=status)
 
@@ -188,7 +261,8 @@ class PipelineTracking:
         return run_id
 
     def stage_failed(self, run: str, status: str = "FAILED") -> None:
-        self.tracker.end_run(run, status)
+        with contextlib.suppress(TrackingUnavailable):  # the failure itself is what to report
+            self.tracker.end_run(run, status)
 
     def stage_finished(self, run: str, manifest: StageManifest, manifest_path: Path,
                        artifacts: list[Path]) -> None:
@@ -220,8 +294,9 @@ class PipelineTracking:
     def log_classifier(self, run: str, bundle_dir: Path) -> None:
         from flows.model_registry import log_classifier
 
-        uri, version = log_classifier(self.tracker.tracking_uri, run, bundle_dir,
-                                      self.registered_model)
+        with self.tracker.answering():
+            uri, version = log_classifier(self.tracker.tracking_uri, run, bundle_dir,
+                                          self.registered_model)
         tags = {"selfsup.classifier_uri": uri}
         if version is not None:
             tags["selfsup.registered_model"] = f"models:/{self.registered_model}/{version}"
