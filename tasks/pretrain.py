@@ -25,7 +25,7 @@ from selfsup_model.text.tokenization import load_tokenizer
 from tasks.joined import invite
 from tasks.registry import PIPELINE
 from tasks.stage import RunContext, StageOutput, code_version
-from tasks.versions import snapshot_file, warm_start, warm_start_params
+from tasks.versions import snapshot_file, version_number, warm_start, warm_start_params
 
 log = logging.getLogger("selfsup.pretrain")
 
@@ -88,7 +88,7 @@ def _continuation(ctx: RunContext, snapshot: Path, windows: np.ndarray,
     full = budget_steps(cfg, int(windows.shape[1]))
     steps, warmup = continuation_budget(full, cfg.warmup_steps, len(chosen.rows),
                                         int(windows.shape[0]))
-    version = int(snapshot.name.lstrip("v"))
+    version = version_number(snapshot)
     log.info("pretrain: continuing corpus version %d's encoder over its %d new training "
              "documents and %d replayed earlier ones (%d of %d windows): %d steps, %d of them "
              "warm-up (pretrain.versions=scratch trains from random initialisation instead)",

@@ -28,6 +28,11 @@ RECORD_FILE = "version_metrics.json"  # compare's record of a version's scores
 _ARCHITECTURE = ("hidden", "layers", "heads", "ff", "norm", "tie_embeddings")
 
 
+def version_number(snapshot: Path) -> int:
+    """The number of a version's snapshot folder (versions/<lineage>/vNNNN)."""
+    return int(snapshot.name.removeprefix("v"))
+
+
 def extended_snapshot(ctx: RunContext, version_json: Path) -> Path | None:
     """The snapshot folder of the version this run's corpus extends, or None (a fresh one)."""
     extends = json.loads(version_json.read_text("utf-8")).get("extends")
@@ -59,7 +64,7 @@ def warm_start(ctx: RunContext) -> tuple[Path | None, str]:
     snapshot = extended_snapshot(ctx, version_json)
     if snapshot is None:
         return None, ""
-    name = f"corpus version {int(snapshot.name.lstrip('v'))}"
+    name = f"corpus version {version_number(snapshot)}"
     if cfg.versions == "scratch":
         return None, f"pretrain.versions=scratch: not continuing {name}'s encoder"
     made = read_manifest(snapshot / "pretrain")
@@ -106,7 +111,7 @@ def earlier_versions(ctx: RunContext) -> list[Path]:
     snapshot = extended_snapshot(ctx, version_json) if version_json.is_file() else None
     if snapshot is None:
         return []
-    return [snapshot.parent / f"v{k:04d}" for k in range(1, int(snapshot.name.lstrip("v")) + 1)]
+    return [snapshot.parent / f"v{k:04d}" for k in range(1, version_number(snapshot) + 1)]
 
 
 def comparison_params(ctx: RunContext) -> dict:
