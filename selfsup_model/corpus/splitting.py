@@ -347,8 +347,8 @@ QUARANTINE_COLUMNS = ("id", "reason", "splits", "related_ids")
 
 
 # A new document's candidates among one split's earlier documents are judged in rounds of
-# these ranks ([0, 4), [4, 64), the rest), and no longer once one of them is related.
-_ROUNDS = (0, 4, 64)
+# these ranks ([0, 8), the rest), and no longer once one of them is related.
+_ROUNDS = (0, 8)
 
 
 def _new_unit_edges(corpus: SplitCorpus, new: np.ndarray, split_idx: np.ndarray,
@@ -391,7 +391,10 @@ def _reaching_edges(judge: PairJudge, pairs: np.ndarray, new: np.ndarray,
     key = newer * reached.shape[1] + split_idx[older]
     order = np.argsort(key, kind="stable")
     newer, older, key = newer[order], older[order], key[order]
-    rank = np.arange(len(key)) - np.searchsorted(key, key, side="left")
+    starts = np.zeros(len(key), dtype=np.int64)  # where each row's (document, split) run starts
+    cut = np.flatnonzero(key[1:] != key[:-1]) + 1
+    starts[cut] = cut
+    rank = np.arange(len(key)) - np.maximum.accumulate(starts)
     for lo, hi in zip(_ROUNDS, (*_ROUNDS[1:], len(key) + 1), strict=True):
         take = np.flatnonzero((rank >= lo) & (rank < hi))
         take = take[~reached[newer[take], split_idx[older[take]]]]
