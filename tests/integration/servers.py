@@ -6,7 +6,9 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
+import urllib.request
 from pathlib import Path
 
 
@@ -37,3 +39,31 @@ def wait_ready(ready, proc: subprocess.Popen, log: Path, what: str, timeout: flo
         assert proc.poll() is None, f"{what} exited:\n{log.read_text()[-3000:]}"
         assert time.monotonic() < deadline, f"{what} did not start:\n{log.read_text()[-3000:]}"
         time.sleep(0.5)
+
+
+def start_mlflow_server(backend: str, artifacts: Path, home: Path, port: int,
+                        timeout: float = 180) -> subprocess.Popen:
+    """`mlflow server` on 127.0.0.1:`port` over the `backend` store, artifacts proxied into
+    `artifacts`, in its own session (stop it with `stop_group`); returns once /health answers."""
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    log = home / f"mlflow-server-{time.monotonic_ns()}.log"
+    with open(log, "w") as out:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", backend,
+             "--artifacts-destination", str(artifacts), "--host", "127.0.0.1",
+             "--port", str(port), "--workers", "1"],
+            env=env, cwd=home, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def healthy() -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as resp:
+                return resp.status == 200
+        except OSError:
+            return False
+
+    try:
+        wait_ready(healthy, server, log, "mlflow server", timeout=timeout)
+    except BaseException:
+        stop_group(server)
+        raise
+    return server

@@ -23,7 +23,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,7 +32,7 @@ from prefect.settings import PREFECT_API_URL
 
 from flows.pipeline import run_pipeline
 from selfsup_model.presets import build_config
-from tests.integration.servers import free_port, stop_group, wait_ready
+from tests.integration.servers import free_port, start_mlflow_server, stop_group, wait_ready
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -139,23 +138,8 @@ def mlflow_server(postgres, tmp_path_factory) -> Iterator[tuple[str, Path]]:
     artifacts = home / "artifacts"
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-    log = home / "server.log"
-    with open(log, "w") as out:
-        server = subprocess.Popen(
-            [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", postgres,
-             "--artifacts-destination", str(artifacts), "--host", "127.0.0.1",
-             "--port", str(port), "--workers", "1"],
-            env=env, cwd=home, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    server = start_mlflow_server(postgres, artifacts, home, port)
     try:
-        def healthy() -> bool:
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
-                    return resp.status == 200
-            except OSError:
-                return False
-
-        wait_ready(healthy, server, log, "mlflow server", timeout=180)
         yield url, artifacts
     finally:
         stop_group(server)

@@ -4,11 +4,7 @@ completed stages stay valid, and a rerun once the server is back skips them and 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -18,31 +14,14 @@ from flows.pipeline import run_pipeline
 from flows.tracking import TrackingUnavailable
 from selfsup_model.artifacts import read_manifest, verify_outputs
 from selfsup_model.presets import build_config
-from tests.integration.servers import free_port, stop_group, wait_ready
+from tests.integration.servers import free_port, start_mlflow_server, stop_group
 
 STAGES = ["ingest", "dedup", "split"]
 
 
-def _server(home: Path, port: int) -> subprocess.Popen:
+def _server(home: Path, port: int):
     """`mlflow server` on a SQLite store in `home` (the same store across restarts)."""
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-    log = home / f"server-{time.monotonic_ns()}.log"
-    with open(log, "w") as out:
-        server = subprocess.Popen(
-            [sys.executable, "-m", "mlflow", "server", "--backend-store-uri",
-             f"sqlite:///{home / 'store.db'}", "--artifacts-destination", str(home / "artifacts"),
-             "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
-            env=env, cwd=home, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def healthy() -> bool:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as resp:
-                return resp.status == 200
-        except OSError:
-            return False
-
-    wait_ready(healthy, server, log, "mlflow server", timeout=180)
-    return server
+    return start_mlflow_server(f"sqlite:///{home / 'store.db'}", home / "artifacts", home, port)
 
 
 def test_a_lost_tracking_server_fails_the_run_in_seconds_and_a_rerun_completes(
