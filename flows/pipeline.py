@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import socket
 from pathlib import Path
 from typing import Any, Literal
 
@@ -100,7 +101,7 @@ def run_pipeline(
                          "their tracking server went away); marked FAILED", closed)
             parent = tracker.start_run(f"pipeline:{Path(str(corpus)).name}", {
                 "selfsup.corpus": str(corpus), "selfsup.preset": preset,
-                "selfsup.workdir": str(wd.resolve()),
+                "selfsup.workdir": str(wd.resolve()), "selfsup.host": socket.gethostname(),
                 "selfsup.objective": config.pretrain.objective, "selfsup.stages": ",".join(stages),
                 "selfsup.executor": sharding.executor, "selfsup.shards": str(fan_out.shards),
                 "mlflow.note.content": f"selfsup pipeline on `{corpus}` (preset `{preset}`); "

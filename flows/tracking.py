@@ -14,6 +14,7 @@ import json
 import logging
 import math
 import os
+import socket
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -179,13 +180,14 @@ class Tracker:
 
     @_answering
     def close_abandoned(self, workdir: Path) -> int:
-        """End as FAILED the runs an earlier pipeline run on `workdir` left RUNNING (it was
-        killed, or lost its tracking server); the caller holds the workdir lock, so none of them
-        is still going. Returns how many parent runs were closed."""
+        """End as FAILED the runs an earlier pipeline run on `workdir` of this host left RUNNING
+        (it was killed, or lost its tracking server); the caller holds the workdir lock, so none
+        of them is still going. Returns how many parent runs were closed."""
         running = self.client.search_runs([self.experiment_id],
                                           "attributes.status = 'RUNNING'", max_results=5000)
-        where = str(workdir.resolve())
+        where, host = str(workdir.resolve()), socket.gethostname()
         parents = {r.info.run_id for r in running if r.data.tags.get("selfsup.workdir") == where
+                   and r.data.tags.get("selfsup.host") == host  # this machine's lock held
                    and "mlflow.parentRunId" not in r.data.tags}
         for run in running:
             if run.info.run_id in parents or run.data.tags.get("mlflow.parentRunId") in parents:
