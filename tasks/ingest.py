@@ -24,12 +24,14 @@ def compute(ctx: RunContext, out: Path, inputs: dict[str, Path]) -> StageOutput:
     previous = (None if ctx.previous is None
                 else snapshot_documents(ctx.previous, ["id", "text"]))
 
-    def ingest(first_ids=()):
+    def ingest(first_ids=(), known_texts=()):
         return ingest_corpus(ctx.corpus, ctx.corpus_format, ctx.config.ingest,
                              fan_out=ctx.fan_out, scratch=out.resolve(),
-                             progress=progress_logger(log, "ingest shards"), first_ids=first_ids)
+                             progress=progress_logger(log, "ingest shards"), first_ids=first_ids,
+                             known_texts=known_texts)
 
-    result = ingest(() if previous is None else previous["id"].tolist())
+    result = (ingest() if previous is None
+              else ingest(previous["id"].tolist(), previous["text"].tolist()))
     version: dict = {"extends": None}
     counts = dict(result.counts)
     if previous is not None:

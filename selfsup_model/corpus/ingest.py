@@ -47,6 +47,7 @@ REJECT_COLUMNS = ["source", "id", "reason", "detail"]
 
 _HSPACE = re.compile(r"[^\S\n]+")
 _BLANK_RUNS = re.compile(r"\n{3,}")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,10 +203,11 @@ def judge_data(data: bytes | str | None, cfg: IngestConfig) -> tuple[str | None,
         except UnicodeDecodeError as exc:
             return None, "not_utf8", f"invalid UTF-8 at byte {exc.start}"
     else:
-        bad = next((c for c in data if 0xD800 <= ord(c) <= 0xDFFF), None)
-        if bad is not None:  # escaped undecodable bytes (CSV), or a lone surrogate (JSON)
-            return None, "not_utf8", ("invalid UTF-8 bytes" if ord(bad) >= 0xDC80
-                                      else f"lone surrogate U+{ord(bad):04X}")
+        found = _SURROGATE.search(data)
+        if found is not None:  # escaped undecodable bytes (CSV), or a lone surrogate (JSON)
+            bad = ord(found.group())
+            return None, "not_utf8", ("invalid UTF-8 bytes" if bad >= 0xDC80
+                                      else f"lone surrogate U+{bad:04X}")
     if "\x00" in data:
         return None, "binary", "NUL character"
     if len(data) > cfg.max_chars * 4:  # cheap guard before normalising a huge string
@@ -304,12 +306,18 @@ class JudgedShard:
 
 
 def judge_shard(data: FileData | StagedData | HeldData, cfg: IngestConfig,
-                spill: str | None = None) -> JudgedShard:
-    """Read, decode, normalise and hash one shard's records (a shard task)."""
+                spill: str | None = None, known: frozenset[str] = frozenset()) -> JudgedShard:
+    """Read, decode, normalise and hash one shard's records (a shard task).
+
+    A text in `known` (kept by the last version of a grown corpus, under the same settings)
+    is kept as it is without judging it again: judging a kept text gives it back unchanged
+    (normalisation is idempotent; tests/corpus/test_ingest.py)."""
     texts, reasons, details, digests = [], [], [], []
     for value in data.load():
         if isinstance(value, tuple):
             text, reason, detail = None, *value
+        elif isinstance(value, str) and value in known:
+            text, reason, detail = value, None, ""
         else:
             text, reason, detail = judge_data(value, cfg)
         texts.append(text)
@@ -331,6 +339,7 @@ def ingest_records(
     records: Iterable[RawRecord], cfg: IngestConfig, corpus_name: str, *,
     root: Path | None = None, fan_out: FanOut | None = None, scratch: Path | None = None,
     progress: Progress | None = None, first_ids: Sequence[str] = (),
+    known_texts: Iterable[str] = (),
 ) -> IngestResult:
     """Judge every record; the first document with a given id (or identical text) wins.
 
@@ -345,7 +354,8 @@ def ingest_records(
     near-duplicates, are the dedup stage's job.
 
     `first_ids` (a grown corpus: the last version's documents, in its order) are placed
-    first, so an earlier document keeps its id and text against any newcomer.
+    first, so an earlier document keeps its id and text against any newcomer. `known_texts`
+    (that version's kept texts) are not judged again where the shards run here (`judge_shard`).
     """
     records = list(records)
     fan_out = fan_out or InProcess()
@@ -359,8 +369,10 @@ def ingest_records(
             parts = [HeldData(tuple(r.data for r in records[lo:hi])) for lo, hi in bounds]
         else:
             parts = stage_data([r.data for r in records], bounds, spill / "data.parquet")
+        known = frozenset(known_texts) if fan_out.in_process else frozenset()
         items = [{"data": part, "cfg": cfg,
-                  "spill": None if spill is None else str(spill / f"kept-{i:05d}.parquet")}
+                  "spill": None if spill is None else str(spill / f"kept-{i:05d}.parquet"),
+                  **({"known": known} if known else {})}
                  for i, part in enumerate(parts)]
         judged = fan_out.run("ingest", lambda mapper: mapper("ingest-judge", judge_shard, items,
                                                              progress))
@@ -464,8 +476,8 @@ def _table_columns(path: Path) -> list[str]:
 
 def ingest_corpus(corpus: str, fmt: CorpusFormat, cfg: IngestConfig, *,
                   fan_out: FanOut | None = None, scratch: Path | None = None,
-                  progress: Progress | None = None,
-                  first_ids: Sequence[str] = ()) -> IngestResult:
+                  progress: Progress | None = None, first_ids: Sequence[str] = (),
+                  known_texts: Iterable[str] = ()) -> IngestResult:
     """Read and judge a whole corpus (folder, table or 'pydocs'); see `ingest_records`."""
     kind = detect_format(corpus, fmt)
     root = None
@@ -477,7 +489,7 @@ def ingest_corpus(corpus: str, fmt: CorpusFormat, cfg: IngestConfig, *,
     else:
         records = iter_table(Path(corpus), cfg)
     return ingest_records(records, cfg, corpus, root=root, fan_out=fan_out, scratch=scratch,
-                          progress=progress, first_ids=first_ids)
+                          progress=progress, first_ids=first_ids, known_texts=known_texts)
 
 
 def corpus_fingerprint(corpus: str, fmt: CorpusFormat, cfg: IngestConfig) -> dict[str, object]:

@@ -11,6 +11,7 @@ from selfsup_model.corpus.ingest import (
     RawRecord,
     ingest_corpus,
     ingest_records,
+    judge_data,
     normalize_document,
 )
 from selfsup_model.corpus.pydocs import harvest
@@ -174,3 +175,33 @@ def test_undecodable_text_is_rejected_not_a_crash(fan_out):
         ["esc", "not_utf8", "invalid UTF-8 bytes"],
         ["lone", "not_utf8", "lone surrogate U+D800"]]
     assert result.documents["id"].tolist() == ["ok"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet=st.sampled_from(list("ab \t\n\r\u00a0\u2003e\u0301\u00e9\ud800.")),
+               max_size=80))
+def test_judging_a_kept_text_gives_it_back(raw):
+    """What a grown corpus relies on to skip judging the last version's texts: a text ingest
+    kept is kept unchanged when judged again (normalisation is idempotent)."""
+    text, reason, _ = judge_data(raw, CFG)
+    if reason is None:
+        assert judge_data(text, CFG) == (text, None, "")
+
+
+def test_known_texts_are_not_judged_again_and_change_nothing(monkeypatch):
+    from selfsup_model.corpus import ingest
+
+    raw = ["  Swallows cross the sky\r\nin long loops.  ", "A heron waits in the reeds, still.",
+           "Salmon swim upstream against currents.", "x\x00 binary"]
+    recs = [RawRecord(f"s{i}", f"d{i}", text) for i, text in enumerate(raw)]
+    plain = ingest_records(recs, CFG, "t")
+    judged = []
+    real = ingest.judge_data
+    monkeypatch.setattr(ingest, "judge_data", lambda data, cfg: judged.append(data) or
+                        real(data, cfg))
+    known = plain.documents["text"].tolist()  # the last version's kept texts
+    again = ingest_records(recs, CFG, "t", known_texts=known)
+    pd.testing.assert_frame_equal(again.documents, plain.documents)
+    pd.testing.assert_frame_equal(again.rejects, plain.rejects)
+    # judged again: the text that normalising changed, and the rejected one
+    assert judged == [raw[0], raw[3]]
