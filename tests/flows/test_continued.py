@@ -116,7 +116,8 @@ def test_a_lineage_that_pretrained_on_this_runs_test_set_is_refused(tiny_run, tm
     assert again == {"ingest": "skipped", "dedup": "skipped", "split": "ran", "tokenizer": "ran"}
     # Split another way, documents A trained on land in this run's val/test.
     other = build_config("tiny", overrides=[f"pretrain.init_from={a}", "split.seed=8"])
-    with pytest.raises(UserError, match="val/test document.* are near-copies .* init_from"):
+    with pytest.raises(UserError, match="val/test document.* are near-copies .* the encoder this "
+                                        "run continues was pretrained on"):
         run_pipeline(other, "pydocs", workdir=str(tmp_path / "other"), stages=UP_TO_TOKENIZER,
                      tracking=False)
     warned = other.model_copy(update={"split": other.split.model_copy(

@@ -107,7 +107,7 @@ def test_the_report_says_what_the_check_found():
               "source_train_documents": 4, "source_leaking_documents": 0,
               "source_audit_passed": True}
     assert _source_check(counts) == {"continued-pretraining leak check": (
-        "passed (5 val/test documents against the 4 documents the init_from lineage "
-        "pretrained on: no near-copies)")}
+        "passed (5 val/test documents against the 4 documents the continued encoder's "
+        "lineage pretrained on: no near-copies)")}
     line = _source_check({**counts, "source_leaking_documents": 2, "source_audit_passed": False})
     assert line["continued-pretraining leak check"].startswith("FAILED (5 val/test")
