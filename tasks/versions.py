@@ -72,10 +72,9 @@ def warm_start(ctx: RunContext) -> tuple[Path | None, str]:
         return None, f"{name} was not pretrained, so there is no encoder to continue"
     model = made.params.get("model", {})
     before = {**{f"model.{k}": model.get(k) for k in _ARCHITECTURE},
-              **{f"pretrain.{k}": made.params.get("pretrain", {}).get(k)
-                 for k in ("objective", "packing")}}
+              "pretrain.objective": made.params.get("pretrain", {}).get("objective")}
     now = {**{f"model.{k}": getattr(ctx.config.model, k) for k in _ARCHITECTURE},
-           "pretrain.objective": cfg.objective, "pretrain.packing": cfg.packing}
+           "pretrain.objective": cfg.objective}
     differ = [f"{k}={now[k]} ({before[k]} there)" for k in now if now[k] != before[k]]
     encoded = read_manifest(snapshot / "encode")
     max_len = encoded.params.get("encode", {}).get("max_len") if encoded else None
