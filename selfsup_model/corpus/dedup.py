@@ -333,9 +333,9 @@ def extend_duplicates(
     signatures[old] = previous.signatures[prev_rows[old]]
     signatures[new] = part.signatures[code]
     id_array = np.asarray(list(ids), dtype=object)
-    active = set(id_array.tolist())
-    kept_pairs = previous.pairs[previous.pairs["left_id"].isin(active)
-                                & previous.pairs["right_id"].isin(active)]
+    active = pd.Index(id_array)  # unique (checked); a hash lookup, not pandas' per-value isin
+    kept_pairs = previous.pairs[(active.get_indexer(previous.pairs["left_id"]) >= 0)
+                                & (active.get_indexer(previous.pairs["right_id"]) >= 0)]
     new_pairs = pd.DataFrame({"left_id": pd.array(id_array[node_doc[verified[:, 0]]], "str"),
                               "right_id": pd.array(id_array[node_doc[verified[:, 1]]], "str"),
                               "jaccard": jac})

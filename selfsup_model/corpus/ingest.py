@@ -163,15 +163,22 @@ def _cell(value: object) -> str | None:
     return text or None
 
 
+def _cells(frame: pd.DataFrame, column: str) -> list[str | None]:
+    """A column's cells as `_cell` reads them (all None if there is no such column); strings,
+    nearly every cell, take the short path."""
+    if column not in frame.columns:
+        return [None] * len(frame)
+    return [(v.strip() or None) if type(v) is str else None if v is None else _cell(v)
+            for v in frame[column].tolist()]
+
+
 def iter_table(path: Path, cfg: IngestConfig) -> Iterator[RawRecord]:
     frame = read_table(path, cfg)
-    cols = {c: (frame[c].tolist() if c in frame.columns else [None] * len(frame))
-            for c in (cfg.id_column, cfg.label_column, cfg.group_column)}
+    ids, labels, groups = (_cells(frame, c)
+                           for c in (cfg.id_column, cfg.label_column, cfg.group_column))
     for i, text in enumerate(frame[cfg.text_column].tolist()):
-        doc_id = _cell(cols[cfg.id_column][i]) or f"row-{i}"
         data = text if isinstance(text, str) else None
-        yield RawRecord(f"{path.name}:{i}", doc_id, data, _cell(cols[cfg.label_column][i]),
-                        _cell(cols[cfg.group_column][i]))
+        yield RawRecord(f"{path.name}:{i}", ids[i] or f"row-{i}", data, labels[i], groups[i])
 
 
 def iter_pydocs(cfg: IngestConfig) -> Iterator[RawRecord]:

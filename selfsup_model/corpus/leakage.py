@@ -33,15 +33,18 @@ _PAIR_BUDGET = 1 << 20  # candidate pairs per verification pass: a (budget, 2) i
 AUDIT_COLUMN_SEED = 20240601
 
 
-def _touching(pairs_of_keys, is_train: np.ndarray):
-    """Of each chunk of pairs, those joining train to val/test."""
+def _touching(pairs_of_keys, is_train: np.ndarray, audited: np.ndarray | None):
+    """Of each chunk of pairs, those joining train to val/test (both ends `audited`)."""
     for pairs in pairs_of_keys:
-        yield pairs[is_train[pairs[:, 0]] != is_train[pairs[:, 1]]]
+        keep = is_train[pairs[:, 0]] != is_train[pairs[:, 1]]
+        if audited is not None:
+            keep &= audited[pairs[:, 0]] & audited[pairs[:, 1]]
+        yield pairs[keep]
 
 
 def cross_split_leaks(
     is_train: np.ndarray, judge: PairJudge, progress: Progress | None = None,
-    new: np.ndarray | None = None,
+    new: np.ndarray | None = None, audited: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, dict[str, int]]:
     """(val/test, train) pairs at exact Jaccard >= the judge's threshold among the audit's
     LSH candidates: pairs (k, 2), jaccard (k,), and the judge's counts for this audit
@@ -52,15 +55,19 @@ def cross_split_leaks(
     memory stays bounded however large a bucket of templated text grows. Pairs the
     judge already found unrelated (unit building's verdicts) are not judged again.
     With `new` (n,) bool, only pairs with a new document are candidates (a grown corpus:
-    earlier pairs were audited when their version was made)."""
+    earlier pairs were audited when their version was made). With `audited` (n,) bool, pairs
+    with any other document (held out of every split) are no candidates."""
     signatures, bands_rows = relatedness_banding(judge.signatures, judge.threshold,
                                                  AUDIT_COLUMN_SEED)
     if new is None:
         members, bounds = band_buckets(signatures, bands_rows)
         plan = CrossLabelPlan(members, bounds, is_train.astype(np.int64))
         chunks, total = plan.chunks(_PAIR_BUDGET), plan.total
+        if audited is not None:
+            chunks = _touching(chunks, is_train, audited)
     else:
-        chunks = _touching(query_candidates(signatures, bands_rows, new, _PAIR_BUDGET), is_train)
+        chunks = _touching(query_candidates(signatures, bands_rows, new, _PAIR_BUDGET),
+                           is_train, audited)
         total = 0  # not known before the pairs are cut
     found, done, before = [], 0, dict(judge.counts)
     for pairs in chunks:
@@ -80,7 +87,7 @@ def cross_split_leaks(
 def leakage_audit(
     ids: Sequence[str],
     texts: Sequence[str],
-    splits: Sequence[str],
+    splits: Sequence[str | None],
     groups: Sequence[str | None],
     signatures: np.ndarray,
     cfg: SplitConfig,
@@ -99,13 +106,16 @@ def leakage_audit(
     finding raises UserError; with 'warn' the audit's `message` says what was
     found. Groups count only with use_groups. `judge` may be unit building's (same
     texts, signatures and threshold), so its "unrelated" verdicts are reused. `new`: only
-    pairs with a new document (`cross_split_leaks`).
+    pairs with a new document (`cross_split_leaks`). A split of None is a document held out
+    of every split (quarantined): it takes part in no pair and no group.
     """
     split = np.asarray(list(splits), dtype=object)
+    audited = pd.notna(split)
     judge = judge or PairJudge(
         texts, signatures, cfg.relatedness_threshold, dedup_cfg.shingle, dedup_cfg.shingle_size
     )
-    leaks, jac, counts = cross_split_leaks(split == "train", judge, progress, new)
+    leaks, jac, counts = cross_split_leaks(split == "train", judge, progress, new,
+                                           None if audited.all() else audited)
     worst = np.lexsort((leaks[:, 1], leaks[:, 0], -jac))[:_MAX_EXAMPLES]
     examples = [
         {

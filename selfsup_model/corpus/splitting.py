@@ -495,10 +495,11 @@ def extend_splits(
 
     keep = np.flatnonzero(in_split)
     split = np.array(SPLITS, dtype=object)[split_idx[keep]]
-    audit = leakage_audit(_take(corpus.ids, keep), _take(corpus.texts, keep), split,
-                          _take(corpus.groups, keep),
-                          corpus.signatures[keep], cfg, dedup_cfg, audit_progress,
-                          new=new[keep])
+    # The audit shares the judge (its shingles and "unrelated" verdicts); the quarantined
+    # documents are held out of it (a split of None).
+    audit = leakage_audit(corpus.ids, corpus.texts,
+                          np.array([*SPLITS, None], dtype=object)[split_idx], corpus.groups,
+                          corpus.signatures, cfg, dedup_cfg, audit_progress, judge, new=new)
     frame = pd.DataFrame({
         "id": pd.array(_take(corpus.ids, keep), dtype="str"),
         "split": pd.array(split, dtype="str"),

@@ -159,6 +159,21 @@ def test_audit_warn_mode_reports_pairs_and_groups():
     assert "leakage audit failed" in audit["message"]
 
 
+@pytest.mark.parametrize("new", [None, np.array([False, True] + [False] * 8)])
+def test_audit_leaves_out_documents_held_out_of_every_split(new):
+    """A quarantined document (split None) is in no pair and no group: d1, d0's near-copy,
+    and d9, which shares group g with test's d8, are held out; the audit then passes, on the
+    whole corpus as on a grown one's new documents."""
+    ids, texts, splits, groups, sig = leaky_corpus()
+    splits[1], splits[9], groups[1] = None, None, "g"
+    audit = leakage_audit(ids, texts, splits, groups, sig, SplitConfig(), WORDS, new=new)
+    assert audit["passed"] and audit["related_pairs"] == 0
+    assert audit["groups_across_splits"] == 0
+    splits[1] = "val"  # back in a split: the same pair is a leak again
+    with pytest.raises(UserError, match=r"d1 ~ d0"):
+        leakage_audit(ids, texts, splits, groups, sig, SplitConfig(), WORDS, new=new)
+
+
 def test_documents_in_split_follow_assignment_order():
     docs = pd.DataFrame({"text": ["a", "b", "c", "d"], "id": ["d0", "d1", "d2", "d3"]})
     assign = pd.DataFrame(
