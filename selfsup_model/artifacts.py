@@ -106,17 +106,56 @@ def atomic_write_parquet(path: str | os.PathLike, frame: Any) -> Path:
 
 
 def save_keras_atomic(model: Any, path: str | os.PathLike) -> Path:
-    """`model.save` to a temp `.keras` name beside `path`, then os.replace."""
+    """`model.save` to a scratch `.keras` name beside `path`, then into place atomically as
+    reproducible bytes (`_reproducible_keras`): the same model saves to the same file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}.keras")  # save() insists on .keras
+    scratch = path.with_name(f".{path.stem}.tmp{os.getpid()}.keras")  # save() insists on .keras
     try:
-        with _disk_full_named(path, tmp):
-            model.save(tmp)
-        os.replace(tmp, path)
+        with _disk_full_named(path, scratch):
+            model.save(scratch)
+        with atomic_path(path) as tmp:
+            _reproducible_keras(scratch, tmp)
     finally:
-        tmp.unlink(missing_ok=True)
+        scratch.unlink(missing_ok=True)
     return path
+
+
+# What a .keras archive holds that is not the model: its save time (metadata.json and the
+# weights' zip entry) and the memory address of each shared object (config.json's
+# shared_object_id, which only pairs references within the file). Stage manifests record when.
+_ZIP_EPOCH = (1980, 1, 1, 0, 0, 0)
+_SAVED_AT = "1980-01-01@00:00:00"
+
+
+def _renumber_shared(node: Any, ids: dict[int, int]) -> Any:
+    if isinstance(node, dict):
+        return {k: (ids.setdefault(v, len(ids) + 1) if k == "shared_object_id"
+                    else _renumber_shared(v, ids)) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_renumber_shared(v, ids) for v in node]
+    return node
+
+
+def _reproducible_keras(source: Path, dest: Path) -> None:
+    """Copy the Keras archive `source` to `dest` without what varies between saves of one
+    model: entry times fixed, date_saved fixed, shared object ids numbered in order of first
+    appearance. Members are streamed, so the weights are never held in memory."""
+    import zipfile
+
+    with zipfile.ZipFile(source) as zin, zipfile.ZipFile(dest, "w") as zout:
+        for info in zin.infolist():
+            entry = zipfile.ZipInfo(info.filename, date_time=_ZIP_EPOCH)
+            entry.compress_type, entry.external_attr = info.compress_type, info.external_attr
+            if info.filename in ("config.json", "metadata.json"):
+                doc = json.loads(zin.read(info))
+                if info.filename == "metadata.json":
+                    doc["date_saved"] = _SAVED_AT
+                zout.writestr(entry, json.dumps(_renumber_shared(doc, {})))
+                continue
+            with zin.open(info) as src, zout.open(entry, "w",
+                                                  force_zip64=info.file_size >= 1 << 31) as dst:
+                shutil.copyfileobj(src, dst, _CHUNK)
 
 
 def _json_default(obj: Any) -> Any:

@@ -85,3 +85,48 @@ def test_a_pretrain_model_naming_the_old_paths_loads(tmp_path):
     model.save(path)
     loaded = saving.load_keras_model(as_written_before_the_move(path, tmp_path / "flat.keras"))
     np.testing.assert_array_equal(loaded(ids), model(ids))
+
+
+def test_one_model_saves_to_the_same_bytes_and_loads_back(tmp_path):
+    """Two builds of one model save to identical files: no save time, and shared objects
+    numbered 1, 2, ... instead of by memory address (which differs between processes: the
+    chaos test compares files of separate runs). What loads back computes what was saved."""
+    from selfsup_model.artifacts import save_keras_atomic, sha256_file
+
+    cfg = ModelConfig(hidden=8, layers=1, heads=2, ff=16, dropout=0.1)
+    ids = np.array([[2, 9, 10, 11, 3, 0, 0], [2, 12, 3, 0, 0, 0, 0]], dtype=np.int32)
+    paths, models = [], []
+    for k in range(2):
+        model = build_classifier(build_backbone(40, 12, cfg, seed=0), 3, pooling="mean", seed=0)
+        models.append(model)
+        model.save(tmp_path / f"plain{k}.keras")  # Keras' own: addresses and times inside
+        paths.append(save_keras_atomic(model, tmp_path / f"model{k}.keras"))
+    assert sha256_file(paths[0]) == sha256_file(paths[1])
+    plain = json.loads(zipfile.ZipFile(tmp_path / "plain0.keras").read("config.json"))
+    with zipfile.ZipFile(paths[0]) as saved:
+        assert {i.date_time for i in saved.infolist()} == {(1980, 1, 1, 0, 0, 0)}
+        text = saved.read("config.json").decode()
+    shared = json.loads(text)
+    found: list[int] = []
+
+    def walk(node):
+        if isinstance(node, dict):
+            found.extend(v for k, v in node.items() if k == "shared_object_id")
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    walk(shared)
+    ours = found[:]
+    found.clear()
+    walk(plain)
+    assert max(found) > 1 << 20  # Keras' own: addresses
+    number = dict(zip(found, ours, strict=True))  # one-to-one: the same object, the same number
+    assert all(number[a] == b for a, b in zip(found, ours, strict=True))
+    assert len(set(number.values())) == len(number) and sorted(set(ours)) == list(
+        range(1, len(number) + 1))
+    loaded = saving.load_keras_model(paths[0])
+    np.testing.assert_array_equal(loaded.predict(ids, verbose=0),
+                                  models[0].predict(ids, verbose=0))
