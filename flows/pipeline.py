@@ -36,7 +36,8 @@ from selfsup_model.pretraining.devices import join_processes, process_index
 from selfsup_model.serving.scoring import write_predictions
 from tasks import joined
 from tasks.registry import STAGE_NAMES, select_stages, stage_tasks, stages_shaped_by
-from tasks.stage import RunContext, StageResult, stopped
+from tasks.stage import RunContext, StageResult
+from tasks.stopping import stopped, stopping
 
 log = logging.getLogger("selfsup.pipeline")
 
@@ -120,6 +121,8 @@ def run_pipeline(
                 results.append(tasks[name](ctx))
             version = commit_version(wd, lineage)  # the version switch: the run's last write
         except BaseException as exc:
+            if stopped(exc):
+                stopping(exc)  # a second signal now stops at once
             if tracker:  # a stopped run is KILLED, as its stage in flight
                 with contextlib.suppress(TrackingUnavailable):  # the first error is the one
                     tracker.end_run(parent, "KILLED" if stopped(exc) else "FAILED")

@@ -3,26 +3,23 @@ end it at a safe point and leave nothing behind.
 
 Inside a flow run, Prefect's engine turns SIGTERM into `TerminationSignal`, raised where the run
 is: the stage in flight unwinds (its manifest is written last, so its partial outputs are never
-trusted), the MLflow runs end as KILLED (`tasks.stage.stopped`), the Dask cluster closes and the
+trusted), the MLflow runs end as KILLED (`tasks.stopping.stopped`), the Dask cluster closes and the
 workdir lock is released as their context managers exit. The engine then delivers the signal
 again to the handler installed before the flow began. Left at Python's default, that kills the
 process outright, skipping the interpreter's exit handlers, and the temporary Prefect server a
 `selfsup run` started (stopped by one of them) outlives the run. `stop_signals` installs handlers
 that end the process through a normal exit instead, with 128 + the signal number as its status;
-a second signal while stopping ends it at once.
+a second signal while stopping ends it at once, its child processes with it (`tasks.stopping`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
-import os
 import signal
 import threading
 from collections.abc import Iterator
 
-log = logging.getLogger("selfsup")
-_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+from tasks.stopping import STOP_SIGNALS, is_stopping, stop_now, stopping
 
 
 class RunStopped(SystemExit):
@@ -35,26 +32,25 @@ class RunStopped(SystemExit):
 
 @contextlib.contextmanager
 def stop_signals() -> Iterator[None]:
-    """SIGTERM and SIGINT raise RunStopped (the first time; a second signal while stopping
-    ends the process at once, as the default would)."""
+    """SIGTERM and SIGINT raise RunStopped (the first time: also when Prefect's engine delivers
+    a SIGTERM again after its flow run unwound; a second signal while stopping ends the process
+    and its children at once, `tasks.stopping.stop_now`)."""
     received: list[int] = []
 
     def handler(signum: int, frame) -> None:
-        if received:  # already stopping: the default, at once
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-            return
+        if received:  # already stopping
+            stop_now(signum)
         received.append(signum)
-        log.warning("selfsup: %s received: stopping (a second one stops at once)",
-                    signal.Signals(signum).name)
+        stopping(signum)  # from here the next signal stops at once
         raise RunStopped(signum)
 
     if threading.current_thread() is not threading.main_thread():
         yield  # signals reach the main thread only: nothing to install here
         return
-    previous = {s: signal.signal(s, handler) for s in _SIGNALS}
+    previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
     try:
         yield
     finally:
-        for s, before in previous.items():
-            signal.signal(s, before)
+        if not is_stopping():  # a stopping run keeps stopping at once until it is gone: its
+            for s, before in previous.items():  # exit handlers stop a temporary server
+                signal.signal(s, before)

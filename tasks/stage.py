@@ -32,6 +32,7 @@ from selfsup_model.artifacts import (
 from selfsup_model.config import PipelineConfig
 from selfsup_model.corpus.sharding import FanOut, InProcess
 from selfsup_model.errors import ArtifactError
+from tasks.stopping import stopped, stopping
 
 log = logging.getLogger("selfsup.stage")
 IN_PROCESS = InProcess()
@@ -257,6 +258,8 @@ def run_stage(spec: StageSpec, ctx: RunContext, compute: Compute) -> StageResult
                       {k: ctx.artifact(k)
                        for k in (*spec.inputs, *(f"{m}/{MANIFEST_NAME}" for m in spec.manifests))})
     except BaseException as exc:
+        if stopped(exc):
+            stopping(exc)  # a second signal now stops at once
         if ctx.tracking is not None:
             ctx.tracking.stage_failed(run, "KILLED" if stopped(exc) else "FAILED")
         raise
@@ -275,15 +278,6 @@ def run_stage(spec: StageSpec, ctx: RunContext, compute: Compute) -> StageResult
     log.info("%s: done in %.1fs %s", spec.name, duration, json.dumps(out.counts, default=str)[:400])
     return StageResult(spec.name, "ran", str(stage_dir), manifest.counts, manifest.metrics,
                        duration, reason)
-
-
-def stopped(exc: BaseException) -> bool:
-    """Whether `exc` is a run being stopped (SIGTERM or SIGINT: Prefect's TerminationSignal, a
-    KeyboardInterrupt, `flows.shutdown.RunStopped`) rather than failing."""
-    from prefect.exceptions import TerminationSignal
-
-    return isinstance(exc, (KeyboardInterrupt, TerminationSignal)) or (
-        isinstance(exc, SystemExit) and getattr(exc, "signum", None) is not None)
 
 
 def fault_point(where: str) -> None:

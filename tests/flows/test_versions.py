@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 
 import numpy as np
 import pandas as pd
@@ -101,13 +102,23 @@ def test_a_run_that_fails_leaves_the_last_version_and_a_rerun_completes(
     run(corpus, wd)
     write(corpus, first_rows + [{"id": "n0", "text": " ".join(words("new_")), "label": "c0"}])
     import tasks.split
+    import tasks.stopping
 
     def dies(*args, **kwargs):
         raise KeyboardInterrupt  # as a stop during the split of the new version
 
     monkeypatch.setattr(tasks.split, "extend_splits", dies)
-    with pytest.raises(KeyboardInterrupt):
-        run(corpus, wd)
+    handlers = {s: signal.getsignal(s) for s in tasks.stopping.STOP_SIGNALS}
+    monkeypatch.setattr(tasks.stopping._state, "stopping", False)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run(corpus, wd)
+        # the run knew it was stopping: a second Ctrl-C would have ended it at once
+        assert tasks.stopping.is_stopping()
+        assert signal.getsignal(signal.SIGINT) is tasks.stopping._at_once
+    finally:  # this is pytest's process: its own handlers back
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
     assert [v["version"] for v in read_lineage(wd)["versions"]] == [1]
     monkeypatch.undo()
     result = run(corpus, wd)

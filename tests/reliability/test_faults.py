@@ -325,3 +325,53 @@ def test_a_full_disk_fails_the_stage_in_one_line_and_a_rerun_with_space_complete
     again = run_pipeline(build_config("tiny"), str(corpus), workdir=str(wd), stages=stages,
                          tracking=False)
     assert [r.status for r in again] == ["skipped", "skipped", "ran"]
+
+
+_SLOW_TO_STOP = """
+import subprocess, sys, time
+from flows.shutdown import stop_signals
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+print(child.pid, flush=True)
+with stop_signals():
+    try:
+        time.sleep(600)
+    finally:
+        print("cleaning up", flush=True)
+        time.sleep(600)  # a clean-up that takes its time
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_second_signal_stops_at_once_and_takes_the_children_along(tmp_path, signum):
+    """The first signal starts a clean stop; while that is under way (here a clean-up that
+    would take ten minutes), a second one ends the process at once, as the signal's default
+    action does, and its child process with it."""
+    import psutil
+
+    out = tmp_path / "out"
+    with open(out, "w") as sink:
+        proc = subprocess.Popen([sys.executable, "-c", _SLOW_TO_STOP], cwd=ROOT, stdout=sink,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+
+        def wait_for(text: str) -> str:
+            while text not in out.read_text():
+                assert proc.poll() is None and time.monotonic() < deadline, out.read_text()
+                time.sleep(0.05)
+            return out.read_text()
+
+        child = psutil.Process(int(wait_for("\n").split()[0]))
+        proc.send_signal(signum)
+        wait_for("cleaning up")
+        assert "stopping at a safe point (send another to stop at once)" in out.read_text()
+        assert proc.poll() is None  # the clean stop is under way
+        started = time.monotonic()
+        proc.send_signal(signum)
+        assert proc.wait(timeout=10) == -signum
+        assert time.monotonic() - started < 5
+        child.wait(timeout=5)  # gone with it (a zombie reaped by init does not count)
+        assert not child.is_running()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)

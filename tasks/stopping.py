@@ -1,0 +1,90 @@
+"""A run being stopped: telling a stop from a failure, and the second signal that stops at once.
+
+The first SIGTERM or SIGINT stops a run at a safe point (`flows.shutdown`): inside a flow run,
+Prefect's engine raises `TerminationSignal` where the run is, the stage in flight and the
+pipeline unwind (MLflow runs end as KILLED, the workdir lock and the Dask cluster are released),
+and the process exits normally. That takes a few seconds. An operator who does not want to wait
+sends a second signal: from the moment the run knows it is stopping (`stopping`), a second
+SIGTERM or SIGINT kills every process the run started and ends the run at once (`stop_now`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import threading
+from pathlib import Path
+
+log = logging.getLogger("selfsup")
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class _State:
+    stopping = False  # the run knows it is stopping: the next signal stops at once
+
+
+_state = _State()
+
+
+def stopped(exc: BaseException) -> bool:
+    """Whether `exc` is a run being stopped (SIGTERM or SIGINT: Prefect's TerminationSignal, a
+    KeyboardInterrupt, `flows.shutdown.RunStopped`) rather than failing."""
+    from prefect.exceptions import TerminationSignal
+
+    return isinstance(exc, (KeyboardInterrupt, TerminationSignal)) or (
+        isinstance(exc, SystemExit) and getattr(exc, "signum", None) is not None)
+
+
+def is_stopping() -> bool:
+    return _state.stopping
+
+
+def stopping(cause: BaseException | int | None = None) -> None:
+    """The run is stopping (`cause`: the signal, or the exception it raised): from now on a
+    SIGTERM or SIGINT stops it at once. Idempotent.
+
+    Prefect's engine restores the SIGTERM handler it replaced before it delivers the signal
+    again (`flows.shutdown.stop_signals`' handler, which knows this is the first signal);
+    until then, and for SIGINT, the at-once handler is installed here."""
+    if _state.stopping:
+        return
+    _state.stopping = True
+    signum = cause if isinstance(cause, int) else (
+        signal.SIGINT if isinstance(cause, KeyboardInterrupt)
+        else getattr(cause, "signal", None) or getattr(cause, "signum", None))
+    what = signal.Signals(signum).name if signum else "a stop signal"
+    log.warning("selfsup: %s: stopping at a safe point (send another to stop at once)", what)
+    if threading.current_thread() is threading.main_thread():
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, _at_once)
+
+
+def _at_once(signum: int, frame) -> None:
+    stop_now(signum)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every living descendant of process `pid`, children first (Linux: /proc's children
+    lists; elsewhere none are found)."""
+    found, queue = [], [pid]
+    while queue:
+        parent = queue.pop(0)
+        for children in Path(f"/proc/{parent}/task").glob("*/children"):
+            with contextlib.suppress(OSError):
+                for child in children.read_text().split():
+                    found.append(int(child))
+                    queue.append(int(child))
+    return found
+
+
+def stop_now(signum: int) -> None:
+    """End this process at once, as `signum`'s default action does, after SIGKILLing every
+    process it started (a temporary Prefect server, Dask workers, training processes): a
+    second signal must not leave them behind."""
+    for child in descendants(os.getpid()):
+        with contextlib.suppress(OSError):
+            os.kill(child, signal.SIGKILL)
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
