@@ -143,13 +143,13 @@ def _settings(args: argparse.Namespace):
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from selfsup_model.corpus.ingest import check_corpus
-    from tasks.registry import STAGE_NAMES, select_stages
+    from tasks.registry import KERAS_STAGES, STAGE_NAMES, select_stages
 
     # Everything a user can get wrong is checked here, in well under a second, before
     # TensorFlow, Prefect or a temporary Prefect server start.
     settings = _settings(args)
     sharding = Sharding(args.executor, args.shards, args.workers, args.dask_address)
-    select_stages(args.only, args.from_stage, args.to_stage)
+    stages = select_stages(args.only, args.from_stage, args.to_stage)
     unknown = [f for f in args.force if f not in STAGE_NAMES]
     if unknown:
         raise UserError(f"unknown stage(s) for --force: {', '.join(unknown)}; "
@@ -157,8 +157,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if args.only in (None, "ingest") and args.from_stage in (None, "ingest"):
         check_corpus(settings.corpus, settings.corpus_format, settings.config.ingest)
     with _native_startup_logs_held():
-        # keras loads the backend (TensorFlow by default) while its C++ logs are held
-        import keras  # noqa: F401
+        if KERAS_STAGES.intersection(stages):
+            # keras loads the backend (TensorFlow by default) while its C++ logs are held; a
+            # run that stops before pretraining never loads it
+            import keras  # noqa: F401
 
         from flows.pipeline import pipeline_flow
     results = pipeline_flow(corpus=settings.corpus, corpus_format=settings.corpus_format,

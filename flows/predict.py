@@ -15,7 +15,6 @@ import pandas as pd
 from flows.settings import read_settings
 from selfsup_model.config import IngestConfig
 from selfsup_model.errors import UserError
-from selfsup_model.serving.inference import load_run_classifier
 from selfsup_model.serving.scoring import check_output_path, read_inputs, score, write_predictions
 from tasks.stage import progress_logger
 
@@ -47,6 +46,8 @@ def run_predict(workdir: str, source: str, out: str | None = None, *,
     if batch_size < 1:  # a deployment's parameter reaches here without the CLI's check
         raise UserError(f"batch_size must be at least 1 (got {batch_size})")
     out_path = check_output_path(out) if out else None  # fail before any work
+    from selfsup_model.serving.inference import load_run_classifier  # Keras: only when scoring
+
     bundle = load_run_classifier(workdir)
     inputs = read_inputs(source, columns_config(workdir, text_column, id_column), lines)
     log.info("scoring %d documents (%d rejected on reading) with %s from %s",

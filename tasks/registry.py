@@ -3,14 +3,16 @@
 One table, one source of truth for stage names, their inputs (so the whole DAG
 reads on one screen) and the Prefect task that runs each. The table imports
 nothing heavy, so `selfsup stages` checks a workdir without loading Prefect or
-TensorFlow; the task modules (and the libraries they need) load only when
-`stage_tasks()` is called to run something.
+TensorFlow; a task module (and the libraries it needs) loads only when its stage
+runs.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.util
+from pathlib import Path
 from typing import Any
 
 from selfsup_model.config import SPLITS
@@ -150,6 +152,9 @@ PIPELINE: tuple[StageSpec, ...] = (
                          "finetune", "baseline")),
 )
 STAGE_NAMES: tuple[str, ...] = tuple(spec.name for spec in PIPELINE)
+# The stages whose modules load Keras (and its backend); the others run without it
+# (tests/flows/test_light_stages.py).
+KERAS_STAGES = frozenset({"pretrain", "finetune", "baseline", "compare"})
 
 
 def select_stages(only: str | None = None, from_stage: str | None = None,
@@ -187,6 +192,12 @@ def stages_shaped_by(setting_keys: list[str]) -> list[str]:
     return downstream(touched)
 
 
+def _docstring(module: str) -> str | None:
+    """A module's docstring, read from its source without running it."""
+    origin = importlib.util.find_spec(module).origin
+    return ast.get_docstring(ast.parse(Path(origin).read_text(encoding="utf-8")))
+
+
 def stage_tasks() -> dict[str, Any]:
     """{stage name: Prefect task} running `tasks.<name>.compute` under the stage runner."""
     from prefect import task
@@ -195,14 +206,15 @@ def stage_tasks() -> dict[str, Any]:
     from tasks.stage import run_stage
 
     def make(spec: StageSpec):
-        module = importlib.import_module(f"tasks.{spec.name}")
+        module = f"tasks.{spec.name}"
 
         # Results are the small StageResult; artifacts and manifests are the state, never
-        # Prefect's cache.
-        @task(name=spec.name, description=module.__doc__, cache_policy=NO_CACHE,
+        # Prefect's cache. The module loads when its stage runs: a run that stops before
+        # pretraining never imports TensorFlow.
+        @task(name=spec.name, description=_docstring(module), cache_policy=NO_CACHE,
               persist_result=False)
         def run(ctx: RunContext):
-            return run_stage(spec, ctx, module.compute)
+            return run_stage(spec, ctx, importlib.import_module(module).compute)
 
         return run
 

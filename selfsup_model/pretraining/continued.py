@@ -14,15 +14,16 @@ from __future__ import annotations
 import dataclasses
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import keras
 import numpy as np
 
 from selfsup_model.artifacts import MANIFEST_NAME, StageManifest, cached_sha256
 from selfsup_model.config import ModelConfig
 from selfsup_model.errors import ArtifactError, UserError
-from selfsup_model.nn.layers import TransformerEncoderBlock
-from selfsup_model.nn.model import token_embedding_of
+
+if TYPE_CHECKING:  # Keras loads with the model check: the tokenizer stage's checks need none
+    import keras
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,6 +162,9 @@ def check_compatible(backbone: keras.Model, *, vocab_size: int, max_len: int, ca
                      head_tied: bool | None = None) -> None:
     """Refuse, with the reason, a checkpoint that does not fit this run (`head_tied`: whether
     its objective head shares the token embedding, when the head continues too)."""
+    from selfsup_model.nn.layers import TransformerEncoderBlock
+    from selfsup_model.nn.model import token_embedding_of
+
     if tokenizer_sha256 != source.tokenizer_sha256:
         raise UserError(f"this run's tokenizer (sha256 {tokenizer_sha256[:12]}) is not the one "
                         f"{source.describe()} was trained with ({source.tokenizer_sha256[:12]}); "

@@ -5,13 +5,19 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-import keras
+if TYPE_CHECKING:
+    import keras
 
+# Keras (and TensorFlow with it) is imported by the functions that use it, so that a run that
+# never trains (the corpus stages) can ask whether it is one of several processes without it.
 log = logging.getLogger("selfsup.devices")
 
 
 def gpu_available() -> bool:
+    import keras
+
     return any(d.lower().startswith("gpu") for d in keras.distribution.list_devices())
 
 
@@ -25,6 +31,8 @@ def resolve_precision(setting: str) -> str:
 def resolve_jit(setting: str) -> bool:
     """'auto': XLA on a GPU, and always under JAX (un-jitted JAX runs op by op). On a CPU under
     TensorFlow 'auto' is off, as Keras chooses; presets that measured XLA faster say 'on'."""
+    import keras
+
     if setting != "auto":
         return setting == "on"
     return keras.backend.backend() == "jax" or gpu_available()
@@ -37,6 +45,8 @@ def xla_dropout_warning(jit: bool, model: keras.Model) -> str | None:
     ~400x as long as no dropout; benchmarks/README.md). `layers.FastDropout` draws by a counter
     hash there instead; a plain `keras.layers.Dropout` with a rate > 0 (a backbone saved before
     FastDropout existed) still uses TensorFlow's draws."""
+    import keras
+
     if not jit or keras.backend.backend() != "tensorflow" or gpu_available():
         return None
     from selfsup_model.nn.layers import FastDropout
@@ -65,6 +75,8 @@ def join_processes() -> int:
     wanted = int(os.environ.get("KERAS_DISTRIBUTION_NUM_PROCESSES", "1") or 1)
     if wanted <= 1:
         return 1
+    import keras
+
     if keras.backend.backend() != "jax":
         raise UserError("several training processes (KERAS_DISTRIBUTION_NUM_PROCESSES="
                         f"{wanted}) need KERAS_BACKEND=jax")
@@ -112,7 +124,7 @@ def local_share(batch, axis: int = 0):
 
 def process_count() -> int:
     """How many training processes run this computation together (1 unless joined)."""
-    if keras.backend.backend() != "jax":
+    if not _JOINED:  # `join_processes` is the only way in: no Keras needed to say so
         return 1
     import jax
 
@@ -121,7 +133,7 @@ def process_count() -> int:
 
 def process_index() -> int:
     """This process's place among the training processes (0: the one that writes)."""
-    if keras.backend.backend() != "jax":
+    if not _JOINED:
         return 0
     import jax
 
@@ -140,6 +152,8 @@ def data_parallel(batch_size: int, across_processes: bool = True):
     sums run over every replica's tokens before the division. The TensorFlow backend stays on
     one device."""
     import os
+
+    import keras
 
     from selfsup_model.errors import UserError
 
@@ -169,6 +183,8 @@ def process_local():
 @contextlib.contextmanager
 def no_distribution() -> Iterator[None]:
     """Variables made inside live on this process's default device only (host copies)."""
+    import keras
+
     previous = keras.distribution.distribution()
     keras.distribution.set_distribution(None)
     try:
