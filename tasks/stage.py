@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -249,6 +250,7 @@ def run_stage(spec: StageSpec, ctx: RunContext, compute: Compute) -> StageResult
     stage_dir.mkdir(parents=True, exist_ok=True)
     # a half-finished stage must never look done
     (stage_dir / MANIFEST_NAME).unlink(missing_ok=True)
+    fault_timer(spec.name)
     started = dt.datetime.now(dt.UTC)
     t0 = time.perf_counter()
     run = (ctx.tracking.stage_started(spec.name, params, reason)
@@ -287,6 +289,16 @@ def fault_point(where: str) -> None:
     switch to it."""
     if os.environ.get("SELFSUP_FAULT_KILL") == where:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def fault_timer(stage: str) -> None:
+    """Fault injection for the chaos test: SELFSUP_FAULT_KILL_AFTER=<stage>:<seconds> SIGKILLs
+    this process that many seconds after `stage` starts running, wherever the run is by then."""
+    name, _, seconds = os.environ.get("SELFSUP_FAULT_KILL_AFTER", "").partition(":")
+    if name == stage:
+        timer = threading.Timer(float(seconds), os.kill, (os.getpid(), signal.SIGKILL))
+        timer.daemon = True
+        timer.start()
 
 
 def progress_logger(log: logging.Logger, what: str,

@@ -67,6 +67,7 @@ def _prefect_console_follows_current_stderr():
 _SLOWEST_FIRST = (
     "tests/integration/test_prefect_deployment.py",
     "tiny_run",
+    "tests/reliability/test_chaos.py",
     "tests/integration/test_training_processes.py",
     "tests/pretraining/test_data_parallel.py",
     "tests/integration/test_dask_sharding.py",
