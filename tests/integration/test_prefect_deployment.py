@@ -3,13 +3,16 @@
 
 Triggers the scheduled pipeline deployment with the tiny preset, waits for Completed, then
 triggers the single-stage rerun deployment and checks that exactly that stage ran again, then
-scores a folder of new documents with the batch-scoring deployment.
+scores a folder of new documents with the batch-scoring deployment. Then cancels a run of the
+pipeline deployment during pretraining, as from the UI.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -82,21 +85,30 @@ def _api(env, path: str, body: dict | None = None):
         return json.load(resp)
 
 
-def _run_and_wait(env, deployment: str, params: dict, timeout: float = 420) -> dict:
-    """Trigger a deployment, let a run-once worker execute it, return the final flow-run state."""
+def _trigger(env, deployment: str, params: dict) -> str:
+    """Trigger a deployment; the flow run's id."""
     args = ["deployment", "run", deployment]
     for key, value in params.items():
         args += ["--param", f"{key}={value}"]
     created = _prefect(env, *args)
-    run_id = next(line.split()[-1] for line in created.splitlines() if "UUID" in line)
-    _prefect(env, "worker", "start", "--pool", "selfsup-process", "--run-once", timeout=timeout)
-    deadline = time.monotonic() + 60
+    return next(line.split()[-1] for line in created.splitlines() if "UUID" in line)
+
+
+def _final_state(env, run_id: str, timeout: float = 60) -> dict:
+    deadline = time.monotonic() + timeout
     while True:
         state = _api(env, f"flow_runs/{run_id}")
         if (state["state"]["type"] in {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
                 or time.monotonic() > deadline):
             return state
-        time.sleep(2)
+        time.sleep(1)
+
+
+def _run_and_wait(env, deployment: str, params: dict, timeout: float = 420) -> dict:
+    """Trigger a deployment, let a run-once worker execute it, return the final flow-run state."""
+    run_id = _trigger(env, deployment, params)
+    _prefect(env, "worker", "start", "--pool", "selfsup-process", "--run-once", timeout=timeout)
+    return _final_state(env, run_id)
 
 
 def _add_documents(folder: Path, numbers) -> None:
@@ -108,10 +120,17 @@ def _add_documents(folder: Path, numbers) -> None:
             " ".join(f"{label}{i % 7}w{j} doc{i}x{j}" for j in range(12)), encoding="utf-8")
 
 
-def test_deploy_schedule_and_rerun_one_stage(prefect_server, tmp_path):
+@pytest.fixture(scope="module")
+def deployed(prefect_server):
+    """The project's deployments on the server, with the process work pool they run on."""
     env, _ = prefect_server
     _prefect(env, "work-pool", "create", "selfsup-process", "--type", "process")
     _prefect(env, "deploy", "--all")
+    return env
+
+
+def test_deploy_schedule_and_rerun_one_stage(deployed, tmp_path):
+    env = deployed
     listed = {d["name"] for d in _api(env, "deployments/filter", {})}
     assert {"weekly", "rerun-stage", "nightly-scoring"} <= listed
     scoring = _api(env, "deployments/name/selfsup-predict/nightly-scoring")
@@ -166,3 +185,55 @@ def test_deploy_schedule_and_rerun_one_stage(prefect_server, tmp_path):
                      {"artifacts": {"key": {"any_": ["selfsup-predictions"]}}})
     summary = " ".join(a["data"] for a in artifacts)
     assert "3 documents read" in summary and "| label | documents |" in summary
+
+
+def test_cancelling_a_deployment_run_stops_it_and_leaves_nothing_running(deployed, tmp_path):
+    """Cancel from the UI (here its CLI twin, `prefect flow-run cancel`) while the run
+    pretrains: the worker sends SIGTERM to the run's process group; the run ends Cancelled, its
+    MLflow runs KILLED, pretraining leaves no manifest, the workdir lock is free, and no process
+    of the run is left (checked by pid)."""
+    import psutil
+    from mlflow.tracking import MlflowClient
+
+    from flows.lock import workdir_lock
+
+    env = deployed
+    workdir, corpus = tmp_path / "wd", tmp_path / "docs"
+    _add_documents(corpus, range(40))
+    params = {"preset": "tiny", "workdir": str(workdir), "corpus": str(corpus),
+              "overrides": json.dumps(["baseline.sentence_embeddings=off",
+                                       "pretrain.steps=100000"])}
+    run_id = _trigger(env, "selfsup-pipeline/weekly", params)
+    log = tmp_path / "worker.log"
+    with open(log, "w") as sink:
+        worker = subprocess.Popen([*PREFECT, "worker", "start", "--pool", "selfsup-process",
+                                   "--run-once"], env=env, cwd=ROOT, stdout=sink,
+                                  stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (workdir / "pretrain" / "checkpoints").exists():  # into the training loop
+            assert worker.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+        flow_processes = psutil.Process(worker.pid).children(recursive=True)
+        assert flow_processes, "the flow run should be a child process of the worker"
+        _prefect(env, "flow-run", "cancel", run_id)
+        state = _final_state(env, run_id, timeout=90)
+        assert state["state"]["type"] == "CANCELLED", (state["state"], log.read_text()[-3000:])
+        _, alive = psutil.wait_procs(flow_processes, timeout=15)
+        assert not alive, [p.cmdline() for p in alive]
+        assert worker.wait(timeout=60) == 0, log.read_text()[-3000:]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(worker.pid, signal.SIGKILL)
+    assert not (workdir / "pretrain" / "manifest.json").exists()
+    assert (workdir / "masks" / "manifest.json").exists()
+    with workdir_lock(workdir):  # released
+        pass
+    client = MlflowClient(env["MLFLOW_TRACKING_URI"])
+    runs = client.search_runs([client.get_experiment_by_name("selfsup").experiment_id],
+                              max_results=1000)
+    parent = next(r for r in runs if r.data.tags.get("selfsup.workdir") == str(workdir.resolve()))
+    status = {r.info.run_name.split(":")[0]: r.info.status for r in runs
+              if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
+    assert parent.info.status == "KILLED" and status["pretrain"] == "KILLED"
+    assert status["masks"] == "FINISHED"
