@@ -205,10 +205,12 @@ def _splits(workdir: Path):
 
 
 def test_sigterm_stops_the_run_at_a_safe_point_and_leaves_nothing_running(tmp_path):
-    """`selfsup run` without PREFECT_API_URL starts a temporary Prefect server; SIGTERM during
+    """`selfsup run` without PREFECT_API_URL starts a temporary Prefect server, and with
+    `--executor dask` a local Dask cluster that lives as long as the run; SIGTERM during
     pretraining (what a cancelled deployment run, `timeout` or Kubernetes sends) must stop the
     run with status 143, end its MLflow runs as KILLED, leave no manifest for the stage in
-    flight, release the workdir lock and leave no process of the run (the server included)."""
+    flight, release the workdir lock and leave no process of the run (the server and the Dask
+    workers included)."""
     import psutil
     from mlflow.tracking import MlflowClient
 
@@ -224,7 +226,8 @@ def test_sigterm_stops_the_run_at_a_safe_point_and_leaves_nothing_running(tmp_pa
     with open(err_path, "w") as err:
         proc = subprocess.Popen(
             [sys.executable, "-m", "flows.cli", "run", "--preset", "tiny", "--corpus",
-             str(corpus), "--workdir", str(wd), "--set", "pretrain.steps=100000"],
+             str(corpus), "--workdir", str(wd), "--set", "pretrain.steps=100000",
+             "--executor", "dask", "--workers", "2"],
             env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
     try:
         deadline = time.monotonic() + 240
@@ -236,7 +239,9 @@ def test_sigterm_stops_the_run_at_a_safe_point_and_leaves_nothing_running(tmp_pa
         port = int(err_path.read_text().split("Starting temporary server on http://127.0.0.1:")[1]
                    .split()[0].strip("/"))
         children = psutil.Process(proc.pid).children(recursive=True)
-        assert children, "the temporary Prefect server should be a child of the run"
+        commands = " ".join(" ".join(c.cmdline()) for c in children)
+        assert "prefect.server" in commands, "the temporary Prefect server is the run's child"
+        assert len(children) >= 3, commands  # the server, and the cluster's worker processes
         started = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 128 + signal.SIGTERM, err_path.read_text()[-3000:]
