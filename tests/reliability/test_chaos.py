@@ -3,10 +3,12 @@ stage, rerun after each kill, ends where an uninterrupted run ends.
 
 The kill moments: a stage that takes a second or more in the reference run is killed a
 seeded uniform fraction of its reference duration after it starts (`SELFSUP_FAULT_KILL_AFTER`),
-wherever the run is by then; a shorter stage is killed at its worst moment, after its outputs
-are written and before its manifest (`SELFSUP_FAULT_KILL`), since a timer would mostly land
-after it. Each kill is followed by a rerun with the next kill armed, so every stage is hit in
-turn, and the last rerun runs to the end.
+wherever the run is by then; when the stage ran faster than in the reference and the kill
+landed in a later one, it is tried again with half the delay, and after three misses, or for a
+stage shorter than a second (where a timer would mostly land after it), the kill comes at its
+worst moment: outputs written, manifest not (`SELFSUP_FAULT_KILL`). Pretraining is also killed
+right after its first checkpoint, and must resume from it. Each kill is followed by a rerun
+with the next kill armed, so every stage is hit in turn, and the last rerun runs to the end.
 
 What must hold: the final workdir's files are byte-identical to the uninterrupted run's, but
 for the manifests, MLflow's own store, and what a run measures of itself (durations, speeds,
@@ -23,6 +25,7 @@ from __future__ import annotations
 import json
 import re
 import signal
+import time
 from pathlib import Path
 
 import numpy as np
@@ -33,14 +36,16 @@ from tasks.registry import PIPELINE
 from tests.reliability.test_faults import _cli
 
 STAGES = [spec.name for spec in PIPELINE]
-SETTINGS = ("--set", "baseline.sentence_embeddings=off")
+# A checkpoint every 3 of the tiny preset's 12 steps leaves time to kill pretraining after one.
+SETTINGS = ("--set", "baseline.sentence_embeddings=off", "--set", "pretrain.checkpoint_every=3")
 SEED = 38
 # Files that record measurements of the run itself, compared with those fields masked. Anything
 # else that differs fails the test.
 _MEASURED = {"pretrain/history.json", "pretrain/checkpoints/latest.json",
              "finetune/results.json", "baseline/results.json", "compare/report.json",
              "compare/report.md", "versions/lineage.json"}
-_MEASURED_KEY = re.compile(r"(time_s|_per_s|seconds|_at|wall time)$")
+_MEASURED_KEY = re.compile(r"(time_s|_per_s|seconds|_at|wall time)$|^timed_")  # timed_*: the
+# steps a speed was measured over (a resumed run leaves out its first step again, as warm-up)
 # Not artifacts: the lock, MLflow's store, and the MLflow run ids each reported step went to.
 _NOT_ARTIFACTS = re.compile(r"^(\.selfsup\.lock|mlflow\.db|mlartifacts/.*|"
                             r"(versions/[^/]+/v\d+/)?pretrain/checkpoints/reported_steps\.txt)$")
@@ -119,28 +124,47 @@ def test_killed_at_random_moments_reruns_end_byte_identical_with_one_finished_ru
     took = {stage: read_manifest(reference / stage).duration_s for stage in STAGES}
 
     rng = np.random.default_rng(SEED)
-    plan = [(stage, f"{stage}:{rng.uniform(0.05, 0.95) * took[stage]:.3f}")
-            if took[stage] >= 1.0 else (stage, None) for stage in STAGES]
     kills, resumable = [], []
-    for stage, after in plan:
-        env = ({"SELFSUP_FAULT_KILL_AFTER": after} if after else {"SELFSUP_FAULT_KILL": stage})
-        run = _cli(wd, *SETTINGS, env=env, tmp=tmp_path)
-        _redoes(run, kills)
-        if run.returncode == 0:  # this stage ran faster than the reference: no kill landed
-            kills.append((stage, after, "finished"))
-            continue
+
+    def killed(run, armed: str, how: str) -> str:
+        """Record a kill: the stage in flight, which must have left no manifest."""
         assert run.returncode == -signal.SIGKILL, run.stderr[-3000:]
         hit = _in_flight(run.stderr)
         assert hit is not None, run.stderr[-3000:]  # a kill between stages is not a test
         assert not (wd / hit / MANIFEST_NAME).exists()  # what it wrote is never trusted
-        kills.append((stage, after, hit))
+        kills.append((armed, how, hit))
         if hit == "pretrain":
             checkpoint = read_checkpoint(wd / "pretrain" / "checkpoints")
             resumable.append(checkpoint["step"] if checkpoint else 0)
-    print("kills (armed for, when, stage in flight):", kills, "checkpoint step at the kills "
+        return hit
+
+    for stage in STAGES:
+        if stage == "pretrain":  # once right after its first checkpoint: it must resume there
+            run = _cli(wd, *SETTINGS, wait=False, tmp=tmp_path)
+            ckpts, deadline = wd / "pretrain" / "checkpoints", time.monotonic() + 300
+            while (read_checkpoint(ckpts) is None and run.poll() is None
+                   and time.monotonic() < deadline):
+                time.sleep(0.05)
+            run.kill()
+            run.finish()
+            _redoes(run, kills)
+            killed(run, stage, "after its first checkpoint")
+        # A stage of a second or more: a seeded moment within it, tried again sooner when the
+        # stage ran faster than in the reference; else (or after three misses) its worst moment.
+        hit, tries = None, 0
+        while hit != stage and took[stage] >= 1.0 and tries < 3:
+            after = f"{stage}:{rng.uniform(0.05, 0.9) * took[stage] / 2 ** tries:.3f}"
+            run = _cli(wd, *SETTINGS, env={"SELFSUP_FAULT_KILL_AFTER": after}, tmp=tmp_path)
+            _redoes(run, kills)
+            hit, tries = killed(run, stage, after), tries + 1
+        if hit != stage:
+            run = _cli(wd, *SETTINGS, env={"SELFSUP_FAULT_KILL": stage}, tmp=tmp_path)
+            _redoes(run, kills)
+            killed(run, stage, "outputs written, manifest not")
+    print("kills (armed for, how, stage in flight):", kills, "; checkpoint step at the kills "
           "in pretraining:", resumable)
-    hit_stages = {hit for _, _, hit in kills}
-    assert hit_stages >= set(STAGES) - {"compare"}, kills  # compare may finish under its timer
+    assert {hit for _, _, hit in kills} == set(STAGES), kills
+    assert resumable[0] > 0  # the kill after a checkpoint
 
     last = _cli(wd, *SETTINGS, tmp=tmp_path)
     assert last.returncode == 0, last.stderr[-3000:]
