@@ -121,11 +121,12 @@ def run_pipeline(
                 results.append(tasks[name](ctx))
             version = commit_version(wd, lineage)  # the version switch: the run's last write
         except BaseException as exc:
-            if stopped(exc):
+            halted = stopped(exc)
+            if halted:
                 stopping(exc)  # a second signal now stops at once
             if tracker:  # a stopped run is KILLED, as its stage in flight
                 with contextlib.suppress(TrackingUnavailable):  # the first error is the one
-                    tracker.end_run(parent, "KILLED" if stopped(exc) else "FAILED")
+                    tracker.end_run(parent, "KILLED" if halted else "FAILED")
             raise
         if tracker:
             if version is not None:  # the corpus lineage: a digest and counts per version

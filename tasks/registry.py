@@ -152,9 +152,9 @@ PIPELINE: tuple[StageSpec, ...] = (
                          "finetune", "baseline")),
 )
 STAGE_NAMES: tuple[str, ...] = tuple(spec.name for spec in PIPELINE)
-# The stages whose modules load Keras (and its backend); the others run without it
-# (tests/flows/test_light_stages.py).
-KERAS_STAGES = frozenset({"pretrain", "finetune", "baseline", "compare"})
+# The stages whose modules load Keras (and its backend): pretraining and every stage after it;
+# the ones before run without it (tests/flows/test_light_stages.py).
+KERAS_STAGES = frozenset(STAGE_NAMES[STAGE_NAMES.index("pretrain"):])
 
 
 def select_stages(only: str | None = None, from_stage: str | None = None,

@@ -260,10 +260,11 @@ def run_stage(spec: StageSpec, ctx: RunContext, compute: Compute) -> StageResult
                       {k: ctx.artifact(k)
                        for k in (*spec.inputs, *(f"{m}/{MANIFEST_NAME}" for m in spec.manifests))})
     except BaseException as exc:
-        if stopped(exc):
+        halted = stopped(exc)
+        if halted:
             stopping(exc)  # a second signal now stops at once
         if ctx.tracking is not None:
-            ctx.tracking.stage_failed(run, "KILLED" if stopped(exc) else "FAILED")
+            ctx.tracking.stage_failed(run, "KILLED" if halted else "FAILED")
         raise
     duration = time.perf_counter() - t0
     fault_point(spec.name)

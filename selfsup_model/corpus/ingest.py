@@ -168,8 +168,7 @@ def _cells(frame: pd.DataFrame, column: str) -> list[str | None]:
     nearly every cell, take the short path."""
     if column not in frame.columns:
         return [None] * len(frame)
-    return [(v.strip() or None) if type(v) is str else None if v is None else _cell(v)
-            for v in frame[column].tolist()]
+    return [(v.strip() or None) if type(v) is str else _cell(v) for v in frame[column].tolist()]
 
 
 def iter_table(path: Path, cfg: IngestConfig) -> Iterator[RawRecord]:

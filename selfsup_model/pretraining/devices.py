@@ -7,11 +7,11 @@ import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+# Keras (and TensorFlow with it) is imported by the functions that use it, so that a run that
+# never trains (the corpus stages) can ask whether it is one of several processes without it.
 if TYPE_CHECKING:
     import keras
 
-# Keras (and TensorFlow with it) is imported by the functions that use it, so that a run that
-# never trains (the corpus stages) can ask whether it is one of several processes without it.
 log = logging.getLogger("selfsup.devices")
 
 
