@@ -12,8 +12,9 @@ with the next kill armed, so every stage is hit, and the last rerun runs to the 
 
 What must hold: the final workdir's files are byte-identical to the uninterrupted run's, but
 for the manifests, MLflow's own store, and what a run measures of itself (durations, speeds,
-wall-clock times: `_MEASURED`); the stage in flight at each kill left no manifest; and the
-MLflow store holds exactly one finished parent run, which accounts for every stage (ran in a
+wall-clock times: `_MEASURED`); the stage in flight at each kill left no manifest (or, killed
+after writing it while MLflow recorded the stage's end, one that vouches for every output); and
+the MLflow store holds exactly one finished parent run, which accounts for every stage (ran in a
 child run, or skipped as up to date), while each killed run's parent was closed as FAILED.
 
 The runs use the tiny preset without the sentence-embedding baseline (its own tests cover it;
@@ -30,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from selfsup_model.artifacts import MANIFEST_NAME, read_manifest
+from selfsup_model.artifacts import MANIFEST_NAME, read_manifest, verify_outputs
 from selfsup_model.pretraining.callbacks import read_checkpoint
 from tasks.registry import PIPELINE
 from tests.reliability.test_faults import _cli
@@ -127,14 +128,20 @@ def test_killed_at_random_moments_reruns_end_byte_identical_with_one_finished_ru
     kills, resumable = [], []
 
     def killed(run, armed: str, how: str, timer: bool = False) -> str:
-        """Record a kill and what it hit: a stage (which must have left no manifest), "between
-        stages", or "finished" (a timer that fired after the run's end)."""
+        """Record a kill and what it hit: a stage (which must have left no manifest), a stage
+        "after its manifest", "between stages", or "finished" (a timer that fired after the
+        run's end)."""
         if timer and run.returncode == 0:
             hit = "finished"
         else:
             assert run.returncode == -signal.SIGKILL, run.stderr[-3000:]
             hit = _in_flight(run.stderr) or "between stages"
-        if hit in STAGES:
+        if hit in STAGES and (manifest := read_manifest(wd / hit)) is not None:
+            # Killed after the manifest, while MLflow recorded the stage's end: the stage is
+            # done on disk, and its manifest must vouch for every output.
+            assert not verify_outputs(wd / hit, manifest), hit
+            hit = f"{hit}, after its manifest"
+        elif hit in STAGES:
             assert not (wd / hit / MANIFEST_NAME).exists()  # what it wrote is never trusted
         kills.append((armed, how, hit))
         if hit == "pretrain":
