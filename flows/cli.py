@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import os
 import signal
 import sys
-import tempfile
 import typing
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from flows.executors import EXECUTORS, Sharding
@@ -19,6 +17,7 @@ from flows.shutdown import RunStopped, stop_signals
 from selfsup_model.config import DEFAULT_WORKDIR, CorpusFormat
 from selfsup_model.errors import UserError
 from selfsup_model.presets import PRESETS
+from tasks.native_logs import native_startup_logs_held
 
 EXIT_USER_ERROR = 2
 _LAST = "as the workdir was last run, else"
@@ -143,26 +142,23 @@ def _settings(args: argparse.Namespace):
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from selfsup_model.corpus.ingest import check_corpus
-    from tasks.registry import KERAS_STAGES, STAGE_NAMES, select_stages
+    from tasks.registry import STAGE_NAMES, select_stages
 
     # Everything a user can get wrong is checked here, in well under a second, before
     # TensorFlow, Prefect or a temporary Prefect server start.
     settings = _settings(args)
     sharding = Sharding(args.executor, args.shards, args.workers, args.dask_address)
-    stages = select_stages(args.only, args.from_stage, args.to_stage)
+    select_stages(args.only, args.from_stage, args.to_stage)  # a bad stage name answers now
     unknown = [f for f in args.force if f not in STAGE_NAMES]
     if unknown:
         raise UserError(f"unknown stage(s) for --force: {', '.join(unknown)}; "
                         f"stages are: {', '.join(STAGE_NAMES)}")
     if args.only in (None, "ingest") and args.from_stage in (None, "ingest"):
         check_corpus(settings.corpus, settings.corpus_format, settings.config.ingest)
-    with _native_startup_logs_held():
-        if KERAS_STAGES.intersection(stages):
-            # keras loads the backend (TensorFlow by default) while its C++ logs are held; a
-            # run that stops before pretraining never loads it
-            import keras  # noqa: F401
+    # Keras (and TensorFlow) load with the first stage that needs them (tasks.registry): a run
+    # with none to run, such as one that stops before pretraining, never loads them.
+    from flows.pipeline import pipeline_flow
 
-        from flows.pipeline import pipeline_flow
     results = pipeline_flow(corpus=settings.corpus, corpus_format=settings.corpus_format,
                             workdir=args.workdir, preset=settings.preset, config=settings.config,
                             only=args.only, from_stage=args.from_stage, to_stage=args.to_stage,
@@ -191,30 +187,6 @@ def _print_comparison(compare_dir: Path) -> None:
     plots = sorted(p.name for p in compare_dir.glob("*.png"))
     if plots:
         print(f"Plots:   {compare_dir}/{{{','.join(plots)}}}")
-
-
-@contextlib.contextmanager
-def _native_startup_logs_held() -> Iterator[None]:
-    """TensorFlow writes its C++ start-up lines (oneDNN, absl, CPU features) straight to file
-    descriptor 2 while it is imported; hold them back, and show them only if the import fails.
-    SELFSUP_TF_LOGS=1 lets them through."""
-    if os.environ.get("SELFSUP_TF_LOGS") == "1":
-        yield
-        return
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as held:
-        os.dup2(held.fileno(), 2)
-        try:
-            yield
-        except BaseException:
-            os.dup2(saved, 2)
-            held.seek(0)
-            sys.stderr.write(held.read().decode("utf-8", "replace"))
-            raise
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
 
 
 def _cmd_stages(args: argparse.Namespace) -> int:
@@ -260,7 +232,7 @@ def _cmd_predict(args: argparse.Namespace) -> int:
     for path in (args.out, args.rejects):
         if path:
             check_output_path(path)
-    with _native_startup_logs_held():
+    with native_startup_logs_held():
         import keras  # noqa: F401
 
         from flows.predict import run_predict
@@ -280,7 +252,7 @@ def _cmd_predict(args: argparse.Namespace) -> int:
 
 def _pretrained_model(workdir: str):
     """The run's pretrain_model.keras and tokenizer, both verified against their manifests."""
-    with _native_startup_logs_held():
+    with native_startup_logs_held():
         from selfsup_model.nn.saving import load_keras_model
         from selfsup_model.serving.inference import verified_outputs
         from selfsup_model.text.tokenization import load_tokenizer

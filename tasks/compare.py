@@ -28,13 +28,13 @@ from selfsup_model.report.comparison import (
     narrow_grids,
     narrow_sentence,
     recompute_results,
+    result_key,
     write_report,
 )
 from selfsup_model.report.effects import effect_sentence, pretraining_effects, seed_spread
 from selfsup_model.report.plots import plot_versions
 from selfsup_model.report.versions import KEY_METHODS, series, version_record, versions_markdown
 from selfsup_model.report.versions import PLOT as VERSIONS_PLOT
-from selfsup_model.transfer.protocol import result_key
 from selfsup_model.transfer.sentence_embeddings import SENTENCE_METHOD
 from tasks.stage import RunContext, StageOutput
 from tasks.versions import RECORD_FILE, earlier_versions, snapshot_file

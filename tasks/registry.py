@@ -17,6 +17,7 @@ from typing import Any
 
 from selfsup_model.config import SPLITS
 from selfsup_model.errors import UserError
+from tasks.native_logs import import_quietly
 from tasks.stage import RunContext, StageSpec
 
 # What every classification stage reads from encode, per split.
@@ -152,9 +153,6 @@ PIPELINE: tuple[StageSpec, ...] = (
                          "finetune", "baseline")),
 )
 STAGE_NAMES: tuple[str, ...] = tuple(spec.name for spec in PIPELINE)
-# The stages whose modules load Keras (and its backend): pretraining and every stage after it;
-# the ones before run without it (tests/flows/test_light_stages.py).
-KERAS_STAGES = frozenset(STAGE_NAMES[STAGE_NAMES.index("pretrain"):])
 
 
 def select_stages(only: str | None = None, from_stage: str | None = None,
@@ -209,12 +207,13 @@ def stage_tasks() -> dict[str, Any]:
         module = f"tasks.{spec.name}"
 
         # Results are the small StageResult; artifacts and manifests are the state, never
-        # Prefect's cache. The module loads when its stage runs: a run that stops before
-        # pretraining never imports TensorFlow.
+        # Prefect's cache. The module loads only if its stage runs (TensorFlow's start-up lines
+        # held back): a run that stops before pretraining, or finds the stages from
+        # pretraining on up to date, never imports TensorFlow.
         @task(name=spec.name, description=_docstring(module), cache_policy=NO_CACHE,
               persist_result=False)
         def run(ctx: RunContext):
-            return run_stage(spec, ctx, importlib.import_module(module).compute)
+            return run_stage(spec, ctx, lambda: import_quietly(module).compute)
 
         return run
 

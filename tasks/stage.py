@@ -230,8 +230,9 @@ def check_stage(spec: StageSpec, ctx: RunContext,
     return "up-to-date", "manifest matches inputs and parameters"
 
 
-def run_stage(spec: StageSpec, ctx: RunContext, compute: Compute) -> StageResult:
-    """Run one stage unless it is up to date (or forced); write its manifest last."""
+def run_stage(spec: StageSpec, ctx: RunContext, load: Callable[[], Compute]) -> StageResult:
+    """Run one stage unless it is up to date (or forced); write its manifest last. `load`
+    gives the stage's compute function, and is called only if the stage runs."""
     params = stage_params(spec, ctx)
     status, why = check_stage(spec, ctx, params)
     stage_dir = ctx.stage_dir(spec.name)
@@ -246,6 +247,7 @@ def run_stage(spec: StageSpec, ctx: RunContext, compute: Compute) -> StageResult
                            0.0, why)
     reason = "forced" if status == "up-to-date" else why
     log.info("%s: running (%s)", spec.name, reason)
+    compute = load()
     inputs = resolve_inputs(spec, ctx)
     stage_dir.mkdir(parents=True, exist_ok=True)
     # a half-finished stage must never look done

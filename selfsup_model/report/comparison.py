@@ -34,6 +34,11 @@ CURVE_PLOT = "macro_f1_vs_fraction.png"
 CONFUSION_PLOT = "confusion_best.png"
 
 
+def result_key(method: str, fraction: float, metric: str) -> str:
+    """An MLflow-safe metric name for one method at one label fraction."""
+    return f"{method}/fraction_{fraction:g}/{metric}"
+
+
 def recompute_results(predictions: pd.DataFrame, n_bootstrap: int = 1000,
                       seed: int = 0) -> list[dict]:
     """Test metrics per (method, fraction) from a predictions table.

@@ -26,7 +26,7 @@ from selfsup_model.artifacts import atomic_write_json, atomic_write_parquet, sha
 from selfsup_model.config import BaselineConfig, FinetuneConfig
 from selfsup_model.corpus.splitting import SPLITS
 from selfsup_model.pretraining.devices import data_parallel_scope, process_count, process_index
-from selfsup_model.report.comparison import PREDICTION_COLUMNS, SEED_COLUMNS
+from selfsup_model.report.comparison import PREDICTION_COLUMNS, SEED_COLUMNS, result_key
 from selfsup_model.report.metrics import macro_f1
 from selfsup_model.text.windows import document_windows, first_windows
 from selfsup_model.transfer.baselines import logreg_on_features, majority_class, tfidf_logreg
@@ -158,11 +158,6 @@ def prediction_rows(method: str, fraction: float, split: LabelledSplit, predicte
              else predicted)
     return [(i, method, float(fraction), lab, str(p))
             for i, lab, p in zip(split.ids, split.labels, names)]
-
-
-def result_key(method: str, fraction: float, metric: str) -> str:
-    """An MLflow-safe metric name for one method at one label fraction."""
-    return f"{method}/fraction_{fraction:g}/{metric}"
 
 
 def summary_metrics(summaries: Sequence[Mapping[str, Any]]) -> dict[str, float]:

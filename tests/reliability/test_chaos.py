@@ -18,7 +18,7 @@ the MLflow store holds exactly one finished parent run, which accounts for every
 child run, or skipped as up to date), while each killed run's parent was closed as FAILED.
 
 The runs use the tiny preset without the sentence-embedding baseline (its own tests cover it;
-it is a third of the run's time).
+it is a third of the run's time), fine-tuning on one label fraction without staged unfreezing.
 """
 
 from __future__ import annotations
@@ -38,7 +38,10 @@ from tests.reliability.test_faults import _cli
 
 STAGES = [spec.name for spec in PIPELINE]
 # A checkpoint every 3 of the tiny preset's 12 steps leaves time to kill pretraining after one.
-SETTINGS = ("--set", "baseline.sentence_embeddings=off", "--set", "pretrain.checkpoint_every=3")
+# One label fraction and no staged fine-tuning: a third of the stage's time, the same code paths
+# for a kill (fine-tuning keeps no checkpoint; a killed one starts over).
+SETTINGS = ("--set", "baseline.sentence_embeddings=off", "--set", "pretrain.checkpoint_every=3",
+            "--set", "finetune.fractions=[1.0]", "--set", "finetune.modes=[probe, full]")
 SEED = 38
 # Files that record measurements of the run itself, compared with those fields masked. Anything
 # else that differs fails the test.
@@ -175,7 +178,7 @@ def test_killed_at_random_moments_reruns_end_byte_identical_with_one_finished_ru
         assert killed(run, stage, "outputs written, manifest not") == stage
     print("kills (armed for, how, stage in flight):", kills, "; checkpoint step at the kills "
           "in pretraining:", resumable)
-    assert {hit for _, _, hit in kills} == set(STAGES), kills
+    assert set(STAGES) <= {hit for _, _, hit in kills}, kills  # every stage hit
     assert resumable[0] > 0  # the kill after a checkpoint
 
     last = _cli(wd, *SETTINGS, tmp=tmp_path)
