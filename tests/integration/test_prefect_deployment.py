@@ -1,5 +1,5 @@
-"""The real operating path: a local Prefect server, a process work pool and worker,
-`prefect deploy --all`.
+"""The real operating path: a local Prefect server, a process work pool, `prefect deploy --all`,
+and a long-lived worker.
 
 Triggers the scheduled pipeline deployment with the tiny preset, waits for Completed, then
 triggers the single-stage rerun deployment and checks that exactly that stage ran again, then
@@ -10,6 +10,7 @@ pipeline deployment during pretraining, as from the UI.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -94,21 +95,21 @@ def _trigger(env, deployment: str, params: dict) -> str:
     return next(line.split()[-1] for line in created.splitlines() if "UUID" in line)
 
 
-def _final_state(env, run_id: str, timeout: float = 60) -> dict:
+def _final_state(env, run_id: str, worker: Worker, timeout: float = 420) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         state = _api(env, f"flow_runs/{run_id}")
         if (state["state"]["type"] in {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
                 or time.monotonic() > deadline):
             return state
-        time.sleep(1)
+        assert worker.proc.poll() is None, worker.log.read_text()[-3000:]
+        time.sleep(0.5)
 
 
-def _run_and_wait(env, deployment: str, params: dict, timeout: float = 420) -> dict:
-    """Trigger a deployment, let a run-once worker execute it, return the final flow-run state."""
-    run_id = _trigger(env, deployment, params)
-    _prefect(env, "worker", "start", "--pool", "selfsup-process", "--run-once", timeout=timeout)
-    return _final_state(env, run_id)
+def _run_and_wait(env, worker: Worker, deployment: str, params: dict) -> dict:
+    """Trigger a deployment, wait for the worker to execute it, return the final flow-run
+    state."""
+    return _final_state(env, _trigger(env, deployment, params), worker)
 
 
 def _add_documents(folder: Path, numbers) -> None:
@@ -129,7 +130,33 @@ def deployed(prefect_server):
     return env
 
 
-def test_deploy_schedule_and_rerun_one_stage(deployed, tmp_path):
+@dataclasses.dataclass
+class Worker:
+    proc: subprocess.Popen
+    log: Path
+
+
+@pytest.fixture(scope="module")
+def worker(deployed, tmp_path_factory):
+    """A worker on the process pool, long-lived as an operator runs one (polling every second
+    here, not every ten): each flow run is a child process of it."""
+    log = tmp_path_factory.mktemp("worker") / "worker.log"
+    with open(log, "w") as sink:
+        proc = subprocess.Popen([*PREFECT, "worker", "start", "--pool", "selfsup-process"],
+                                env={**deployed, "PREFECT_WORKER_QUERY_SECONDS": "1"}, cwd=ROOT,
+                                stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield Worker(proc, log)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_deploy_schedule_and_rerun_one_stage(deployed, worker, tmp_path):
     env = deployed
     listed = {d["name"] for d in _api(env, "deployments/filter", {})}
     assert {"weekly", "rerun-stage", "nightly-scoring"} <= listed
@@ -142,10 +169,12 @@ def test_deploy_schedule_and_rerun_one_stage(deployed, tmp_path):
 
     workdir, corpus = tmp_path / "wd", tmp_path / "weekly"
     _add_documents(corpus, range(40))
-    # The sentence-embedding baseline is the tiny run's slowest stage and has its own tests.
+    # The sentence-embedding baseline is the tiny run's slowest stage and has its own tests, as
+    # have fine-tuning's fractions and modes.
     params = {"preset": "tiny", "workdir": str(workdir), "corpus": str(corpus),
-              "overrides": json.dumps(["baseline.sentence_embeddings=off"])}
-    run = _run_and_wait(env, "selfsup-pipeline/weekly", params)
+              "overrides": json.dumps(["baseline.sentence_embeddings=off",
+                                       "finetune.fractions=[1.0]", "finetune.modes=[full]"])}
+    run = _run_and_wait(env, worker, "selfsup-pipeline/weekly", params)
     assert run["state"]["type"] == "COMPLETED", run["state"]
     manifests = {p.parent.name: json.loads(p.read_text()) for p in workdir.glob("*/manifest.json")}
     assert set(manifests) >= {"ingest", "pretrain", "compare"}
@@ -153,7 +182,7 @@ def test_deploy_schedule_and_rerun_one_stage(deployed, tmp_path):
     first = pd.read_parquet(workdir / "split" / "assignments.parquet").set_index("id")["split"]
 
     before = {name: m["finished_at"] for name, m in manifests.items()}
-    rerun = _run_and_wait(env, "selfsup-stage/rerun-stage",
+    rerun = _run_and_wait(env, worker, "selfsup-stage/rerun-stage",
                           {"stage": "masks", "preset": "tiny", "workdir": str(workdir),
                            "corpus": str(corpus), "corpus_format": "folder"})
     assert rerun["state"]["type"] == "COMPLETED", rerun["state"]
@@ -163,7 +192,8 @@ def test_deploy_schedule_and_rerun_one_stage(deployed, tmp_path):
 
     # A week later the folder has grown: the run makes version 2; nothing moves.
     _add_documents(corpus, range(40, 46))
-    grown = _run_and_wait(env, "selfsup-pipeline/weekly", {**params, "to_stage": "split"})
+    grown = _run_and_wait(env, worker, "selfsup-pipeline/weekly",
+                          {**params, "to_stage": "split"})
     assert grown["state"]["type"] == "COMPLETED", grown["state"]
     lineage = json.loads((workdir / "versions" / "lineage.json").read_text())
     assert [v["counts"].get("new") for v in lineage["versions"]] == [None, 6]
@@ -176,7 +206,7 @@ def test_deploy_schedule_and_rerun_one_stage(deployed, tmp_path):
     (inbox / "b.txt").write_text("Run the unit tests and report each failure.", encoding="utf-8")
     (inbox / "empty.txt").write_text("", encoding="utf-8")
     out = tmp_path / "scored" / "latest.parquet"
-    scored = _run_and_wait(env, "selfsup-predict/nightly-scoring",
+    scored = _run_and_wait(env, worker, "selfsup-predict/nightly-scoring",
                            {"source": str(inbox), "out": str(out), "workdir": str(workdir)})
     assert scored["state"]["type"] == "COMPLETED", scored["state"]
     assert out.is_file() and (tmp_path / "scored" / "latest.rejects.csv").is_file()
@@ -187,11 +217,12 @@ def test_deploy_schedule_and_rerun_one_stage(deployed, tmp_path):
     assert "3 documents read" in summary and "| label | documents |" in summary
 
 
-def test_cancelling_a_deployment_run_stops_it_and_leaves_nothing_running(deployed, tmp_path):
+def test_cancelling_a_deployment_run_stops_it_and_leaves_nothing_running(deployed, worker,
+                                                                         tmp_path):
     """Cancel from the UI (here its CLI twin, `prefect flow-run cancel`) while the run
     pretrains: the worker sends SIGTERM to the run's process group; the run ends Cancelled, its
-    MLflow runs KILLED, pretraining leaves no manifest, the workdir lock is free, and no process
-    of the run is left (checked by pid)."""
+    MLflow runs KILLED, pretraining leaves no manifest, the workdir lock is free, no process of
+    the run is left (checked by pid), and the worker goes on."""
     import psutil
     from mlflow.tracking import MlflowClient
 
@@ -204,27 +235,20 @@ def test_cancelling_a_deployment_run_stops_it_and_leaves_nothing_running(deploye
               "overrides": json.dumps(["baseline.sentence_embeddings=off",
                                        "pretrain.steps=100000"])}
     run_id = _trigger(env, "selfsup-pipeline/weekly", params)
-    log = tmp_path / "worker.log"
-    with open(log, "w") as sink:
-        worker = subprocess.Popen([*PREFECT, "worker", "start", "--pool", "selfsup-process",
-                                   "--run-once"], env=env, cwd=ROOT, stdout=sink,
-                                  stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 240
-        while not (workdir / "pretrain" / "checkpoints").exists():  # into the training loop
-            assert worker.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.5)
-        flow_processes = psutil.Process(worker.pid).children(recursive=True)
-        assert flow_processes, "the flow run should be a child process of the worker"
-        _prefect(env, "flow-run", "cancel", run_id)
-        state = _final_state(env, run_id, timeout=90)
-        assert state["state"]["type"] == "CANCELLED", (state["state"], log.read_text()[-3000:])
-        _, alive = psutil.wait_procs(flow_processes, timeout=15)
-        assert not alive, [p.cmdline() for p in alive]
-        assert worker.wait(timeout=60) == 0, log.read_text()[-3000:]
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(worker.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 240
+    while not (workdir / "pretrain" / "checkpoints").exists():  # into the training loop
+        assert worker.proc.poll() is None and time.monotonic() < deadline, (
+            worker.log.read_text()[-3000:])
+        time.sleep(0.5)
+    flow_processes = psutil.Process(worker.proc.pid).children(recursive=True)
+    assert flow_processes, "the flow run should be a child process of the worker"
+    _prefect(env, "flow-run", "cancel", run_id)
+    state = _final_state(env, run_id, worker, timeout=90)
+    assert state["state"]["type"] == "CANCELLED", (state["state"],
+                                                   worker.log.read_text()[-3000:])
+    _, alive = psutil.wait_procs(flow_processes, timeout=15)
+    assert not alive, [p.cmdline() for p in alive]
+    assert worker.proc.poll() is None, worker.log.read_text()[-3000:]  # it serves the next run
     assert not (workdir / "pretrain" / "manifest.json").exists()
     assert (workdir / "masks" / "manifest.json").exists()
     with workdir_lock(workdir):  # released
