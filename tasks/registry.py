@@ -19,6 +19,7 @@ from selfsup_model.config import SPLITS
 from selfsup_model.errors import UserError
 from tasks.native_logs import import_quietly
 from tasks.stage import RunContext, StageSpec
+from tasks.stopping import stops_deferred
 
 # What every classification stage reads from encode, per split.
 LABELLED_INPUTS = tuple(f"encode/{split}_{suffix}" for split in SPLITS
@@ -196,6 +197,13 @@ def _docstring(module: str) -> str | None:
     return ast.get_docstring(ast.parse(Path(origin).read_text(encoding="utf-8")))
 
 
+def _load(module: str):
+    """A stage's compute function. Its module may load TensorFlow: its start-up lines are held
+    back, and a stop signal waits until it has loaded (`tasks.stopping.stops_deferred`)."""
+    with stops_deferred():
+        return import_quietly(module).compute
+
+
 def stage_tasks() -> dict[str, Any]:
     """{stage name: Prefect task} running `tasks.<name>.compute` under the stage runner."""
     from prefect import task
@@ -213,7 +221,7 @@ def stage_tasks() -> dict[str, Any]:
         @task(name=spec.name, description=_docstring(module), cache_policy=NO_CACHE,
               persist_result=False)
         def run(ctx: RunContext):
-            return run_stage(spec, ctx, lambda: import_quietly(module).compute)
+            return run_stage(spec, ctx, lambda: _load(module))
 
         return run
 

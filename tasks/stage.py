@@ -247,17 +247,17 @@ def run_stage(spec: StageSpec, ctx: RunContext, load: Callable[[], Compute]) -> 
                            0.0, why)
     reason = "forced" if status == "up-to-date" else why
     log.info("%s: running (%s)", spec.name, reason)
-    compute = load()
     inputs = resolve_inputs(spec, ctx)
     stage_dir.mkdir(parents=True, exist_ok=True)
     # a half-finished stage must never look done
     (stage_dir / MANIFEST_NAME).unlink(missing_ok=True)
     fault_timer(spec.name)
     started = dt.datetime.now(dt.UTC)
-    t0 = time.perf_counter()
     run = (ctx.tracking.stage_started(spec.name, params, reason)
            if ctx.tracking is not None else None)
     try:
+        compute = load()  # the first Keras stage loads TensorFlow: seconds, not the stage's own
+        t0 = time.perf_counter()
         out = compute(dataclasses.replace(ctx, stage_run=run), stage_dir,
                       {k: ctx.artifact(k)
                        for k in (*spec.inputs, *(f"{m}/{MANIFEST_NAME}" for m in spec.manifests))})

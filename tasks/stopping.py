@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 log = logging.getLogger("selfsup")
@@ -88,3 +89,33 @@ def stop_now(signum: int) -> None:
             os.kill(child, signal.SIGKILL)
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)
+
+
+@contextlib.contextmanager
+def stops_deferred() -> Iterator[None]:
+    """Hold a first SIGTERM or SIGINT until the block ends, then deliver it to the handler that
+    was in place; a second one meanwhile stops at once.
+
+    For loading TensorFlow: a stop raised in the middle of its import (Prefect's engine raises
+    where the run is) leaves it half-initialised, and a process that then touches it can hang
+    instead of stopping. Loading takes seconds, so the stop is late by at most that."""
+    if threading.current_thread() is not threading.main_thread() or _state.stopping:
+        yield  # handlers are the main thread's; a stopping run stops at once anyway
+        return
+    held: list[int] = []
+
+    def hold(signum: int, frame) -> None:
+        if held:
+            stop_now(signum)
+        held.append(signum)
+        log.warning("selfsup: %s: stopping as soon as the stage's code has loaded (send "
+                    "another to stop at once)", signal.Signals(signum).name)
+
+    previous = {sig: signal.signal(sig, hold) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if held:
+            signal.raise_signal(held[0])

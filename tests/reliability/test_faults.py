@@ -202,11 +202,10 @@ def test_sigterm_stops_the_run_at_a_safe_point_and_leaves_nothing_running(tmp_pa
             env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
     try:
         deadline = time.monotonic() + 240
-        while "pretrain: running" not in err_path.read_text() and proc.poll() is None:
-            assert time.monotonic() < deadline, err_path.read_text()[-2000:]
-            time.sleep(0.5)
+        while not (wd / "pretrain" / "checkpoints").exists() and proc.poll() is None:
+            assert time.monotonic() < deadline, err_path.read_text()[-2000:]  # into the
+            time.sleep(0.5)  # training loop
         assert proc.poll() is None, err_path.read_text()[-3000:]
-        time.sleep(2)  # into the training loop
         port = int(err_path.read_text().split("Starting temporary server on http://127.0.0.1:")[1]
                    .split()[0].strip("/"))
         children = psutil.Process(proc.pid).children(recursive=True)
@@ -293,6 +292,38 @@ with stop_signals():
         print("cleaning up", flush=True)
         time.sleep(600)  # a clean-up that takes its time
 """
+
+
+_LOADING = """
+import os, signal, sys, time
+from tasks.stopping import stops_deferred
+signal.signal(signal.SIGTERM, lambda s, f: sys.exit("handled after the load"))
+try:
+    with stops_deferred():  # as while a stage's module loads TensorFlow
+        print("loading", flush=True)
+        for _ in range(int(sys.argv[1])):
+            os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.5)  # the load goes on: the signal waits
+        print("loaded", flush=True)
+finally:
+    print("after the block", flush=True)
+"""
+
+
+@pytest.mark.parametrize("signals", [1, 2])
+def test_a_stop_during_a_load_waits_for_it_and_a_second_stops_at_once(tmp_path, signals):
+    """A stop raised in the middle of TensorFlow's import can leave the process unable to stop;
+    one that arrives while a stage's module loads is delivered to the run's handler once it
+    has loaded. A second one meanwhile ends the process at once."""
+    proc = subprocess.run([sys.executable, "-c", _LOADING, str(signals)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60, check=False)
+    if signals == 1:
+        assert proc.stdout.splitlines() == ["loading", "loaded", "after the block"]
+        assert proc.returncode == 1 and "handled after the load" in proc.stderr
+    else:
+        assert proc.stdout.splitlines() == ["loading"]
+        assert proc.returncode == -signal.SIGTERM
+    assert "SIGTERM: stopping as soon as the stage's code has loaded" in proc.stderr
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
