@@ -8,6 +8,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from flows.shutdown import stop_signals
+
 
 def emit(result: Any, out: str | None) -> None:
     """Print `result` as indented JSON; also write it to `out` when given."""
@@ -22,4 +24,8 @@ def run_cli(parser: argparse.ArgumentParser, run: Callable[[argparse.Namespace],
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="also write the results as JSON here")
     args = parser.parse_args()
-    emit(run(args), args.out)
+    # SIGTERM or SIGINT end the benchmark through a normal exit (status 128 + the signal), so a
+    # temporary Prefect server a pipeline run started stops with it.
+    with stop_signals():
+        result = run(args)
+    emit(result, args.out)
