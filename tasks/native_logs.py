@@ -36,6 +36,8 @@ def native_line(line: str) -> bool:
 
 @contextlib.contextmanager
 def native_startup_logs_held() -> Iterator[None]:
+    """Hold what reaches file descriptor 2 during the block; write it back when the block ends,
+    but for TensorFlow's native lines unless the block failed."""
     if os.environ.get("SELFSUP_TF_LOGS") == "1":
         yield
         return
