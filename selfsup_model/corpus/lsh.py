@@ -24,15 +24,14 @@ import numpy as np
 from datasketch.lsh import _optimal_param
 
 from selfsup_model.corpus.minhash import (
+    SortedCodes,
     agreement_at_least,
     agreement_floor,
     budget_chunks,
     byte_agreement_at_least,
-    merge_sorted,
     pair_jaccard,
     ragged_arange,
     shingle_rows,
-    sorted_member,
     sorted_unique,
 )
 
@@ -332,7 +331,7 @@ class PairJudge:
         self.low_bytes = np.ascontiguousarray(signatures.astype(np.uint8)).view(np.uint64)
         self.floor = agreement_floor(threshold, signatures.shape[1])
         self.shingles = ShingleCache(texts, kind, size)
-        self.unrelated = np.empty(0, dtype=np.int64)  # sorted codes of pairs judged unrelated
+        self.unrelated = SortedCodes()  # codes of the pairs judged unrelated
         self.counts = dict.fromkeys(
             (
                 "candidate_pairs",
@@ -352,14 +351,14 @@ class PairJudge:
         pairs = pairs[byte_agreement_at_least(self.low_bytes, pairs, self.floor)]
         low_byte_fails = count - len(pairs)
         code = sorted_unique(pairs.min(axis=1) * n + pairs.max(axis=1))
-        code = code[~sorted_member(code, self.unrelated)]  # repeats and known verdicts go
+        code = code[~self.unrelated.contains(code)]  # repeats and known verdicts go
         pairs = np.stack([code // n, code % n], axis=1)
         plausible = np.flatnonzero(agreement_at_least(self.signatures, pairs, self.floor))
         alive = plausible[self.shingles.may_reach(pairs[plausible], self.threshold)]
         jac = np.zeros(len(pairs))
         jac[alive] = self.shingles.jaccard(pairs[alive])
         related = jac >= self.threshold
-        self.unrelated = merge_sorted(self.unrelated, code[~related])
+        self.unrelated.add(code[~related])
         for key, value in (
             ("candidate_pairs", count),
             ("skipped_by_signature", low_byte_fails + len(pairs) - len(plausible)),

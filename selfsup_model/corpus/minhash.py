@@ -77,6 +77,35 @@ def merge_sorted(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.insert(a, np.searchsorted(a, b), b)
 
 
+class SortedCodes:
+    """A growing set of int64 codes kept as two sorted runs: a large one and a recent one.
+
+    Each `add` merges into the recent run; the recent run merges into the large one only once
+    it holds an eighth of it, so a set grown by many batches is rewritten a few times per
+    doubling, not once per batch (one run rewritten on every add moved the whole set ~140
+    times in a grown corpus' split)."""
+
+    _RECENT_SHARE = 8
+
+    def __init__(self) -> None:
+        self._large = np.empty(0, dtype=np.int64)
+        self._recent = np.empty(0, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self._large) + len(self._recent)
+
+    def contains(self, values: np.ndarray) -> np.ndarray:
+        """Mask (m,): which of `values` are held."""
+        return sorted_member(values, self._large) | sorted_member(values, self._recent)
+
+    def add(self, values: np.ndarray) -> None:
+        """Hold sorted `values`, none of which is held yet."""
+        self._recent = merge_sorted(self._recent, values)
+        if len(self._recent) * self._RECENT_SHARE > len(self._large):
+            self._large = merge_sorted(self._large, self._recent)
+            self._recent = np.empty(0, dtype=np.int64)
+
+
 def ragged_arange(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """Concatenation of arange(s, s + l) for every (s, l): (sum(lengths),) int64."""
     lengths = np.asarray(lengths, dtype=np.int64)

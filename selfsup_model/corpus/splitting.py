@@ -388,6 +388,8 @@ def _reaching_edges(judge: PairJudge, pairs: np.ndarray, new: np.ndarray,
     out = [judge.related(pairs[both])[0]]
     newer = np.where(new[pairs[:, 0]], pairs[:, 0], pairs[:, 1])[~both]
     older = (pairs[:, 0] + pairs[:, 1])[~both] - newer
+    live = ~reached[newer, split_idx[older]]  # most candidates: a split already reached
+    newer, older = newer[live], older[live]
     key = newer * reached.shape[1] + split_idx[older]
     order = np.argsort(key, kind="stable")
     newer, older, key = newer[order], older[order], key[order]

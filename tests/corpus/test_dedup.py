@@ -157,6 +157,22 @@ def check_cheap_pair_tests(sets, threshold):
     assert jac.tolist() == exact[plausible & (exact >= threshold)].tolist()
 
 
+@settings(max_examples=60, deadline=None)
+@given(batches=st.lists(st.sets(st.integers(0, 400), max_size=60), max_size=25),
+       probes=st.lists(st.integers(-5, 405), max_size=50))
+def test_sorted_codes_hold_exactly_what_was_added(batches, probes):
+    """The pair judge's memory of "unrelated" verdicts, grown by many batches: a code is held
+    once added and never otherwise, whichever run it sits in."""
+    held, seen = minhash.SortedCodes(), set()
+    for batch in batches:
+        fresh = np.array(sorted(batch - seen), dtype=np.int64)
+        held.add(fresh)
+        seen |= batch
+        query = np.array(sorted(seen) + probes, dtype=np.int64)
+        assert held.contains(query).tolist() == [q in seen for q in query.tolist()]
+    assert len(held) == len(seen)
+
+
 def test_occupancy_bound_rules_out_unrelated_pairs():
     a, b, c = words(0, 300), words(150, 450), words(0, 270) + " " + words(1000, 1030)
     cache = lsh.ShingleCache([a, b, c], "word", 1)  # J(a, b) = 1/3, J(a, c) = 0.9
