@@ -37,7 +37,7 @@ from selfsup_model.serving.scoring import write_predictions
 from tasks import joined
 from tasks.registry import STAGE_NAMES, select_stages, stage_tasks, stages_shaped_by
 from tasks.stage import RunContext, StageResult
-from tasks.stopping import stopped, stopping
+from tasks.stopping import stop_behind, stop_signals_noted, stopped, stopping
 
 log = logging.getLogger("selfsup.pipeline")
 
@@ -88,7 +88,7 @@ def run_pipeline(
         raise UserError(f"unknown stage(s) for --force: {', '.join(unknown)}; "
                         f"stages are: {', '.join(STAGE_NAMES)}")
     wd = Path(workdir)
-    with workdir_lock(wd), open_fan_out(sharding) as fan_out:
+    with workdir_lock(wd), open_fan_out(sharding) as fan_out, stop_signals_noted():
         _record_settings(wd, RunSettings(str(corpus), corpus_format, preset, config))
         lineage = open_lineage(wd, config, str(corpus), corpus_format, new_lineage)
         if new_lineage:
@@ -127,6 +127,8 @@ def run_pipeline(
             if tracker:  # a stopped run is KILLED, as its stage in flight
                 with contextlib.suppress(TrackingUnavailable):  # the first error is the one
                     tracker.end_run(parent, "KILLED" if halted else "FAILED")
+            if (stop := stop_behind(exc)) is not None:
+                raise stop from exc
             raise
         if tracker:
             if version is not None:  # the corpus lineage: a digest and counts per version

@@ -33,7 +33,7 @@ from selfsup_model.artifacts import (
 from selfsup_model.config import PipelineConfig
 from selfsup_model.corpus.sharding import FanOut, InProcess
 from selfsup_model.errors import ArtifactError
-from tasks.stopping import stopped, stopping
+from tasks.stopping import stop_behind, stopped, stopping
 
 log = logging.getLogger("selfsup.stage")
 IN_PROCESS = InProcess()
@@ -267,6 +267,10 @@ def run_stage(spec: StageSpec, ctx: RunContext, load: Callable[[], Compute]) -> 
             stopping(exc)  # a second signal now stops at once
         if ctx.tracking is not None:
             ctx.tracking.stage_failed(run, "KILLED" if halted else "FAILED")
+        if (stop := stop_behind(exc)) is not None:
+            log.warning("%s: stopped (the stop came out as %s: %s)", spec.name,
+                        type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+            raise stop from exc
         raise
     duration = time.perf_counter() - t0
     fault_point(spec.name)

@@ -24,18 +24,83 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 class _State:
     stopping = False  # the run knows it is stopping: the next signal stops at once
+    signalled: int | None = None  # a stop signal that reached the run (`stop_signals_noted`)
+    wakeup: int | None = None  # where the interpreter writes each signal's number as it arrives
 
 
 _state = _State()
 
 
-def stopped(exc: BaseException) -> bool:
-    """Whether `exc` is a run being stopped (SIGTERM or SIGINT: Prefect's TerminationSignal, a
-    KeyboardInterrupt, `flows.shutdown.RunStopped`) rather than failing."""
+def _is_stop(exc: BaseException) -> bool:
     from prefect.exceptions import TerminationSignal
 
     return isinstance(exc, (KeyboardInterrupt, TerminationSignal)) or (
         isinstance(exc, SystemExit) and getattr(exc, "signum", None) is not None)
+
+
+def stopped(exc: BaseException) -> bool:
+    """Whether `exc` is a run being stopped (SIGTERM or SIGINT: Prefect's TerminationSignal, a
+    KeyboardInterrupt, `flows.shutdown.RunStopped`, or any error raised once a stop signal
+    reached the run, `stop_signals_noted`) rather than failing."""
+    return _is_stop(exc) or _noted() is not None
+
+
+def stop_behind(exc: BaseException) -> BaseException | None:
+    """The stop that `exc` stands for, when a noted stop signal came out as another error: a
+    TerminationSignal to raise from it (Prefect's engine then ends the flow run as stopped and
+    delivers the signal again); None when `exc` is a stop itself or no signal was noted."""
+    from prefect.exceptions import TerminationSignal
+
+    if _is_stop(exc) or (signum := _noted()) is None:
+        return None
+    return TerminationSignal(signum)
+
+
+@contextlib.contextmanager
+def stop_signals_noted() -> Iterator[None]:
+    """Note every SIGTERM or SIGINT that reaches the block, whatever its handler does.
+
+    Prefect's engine raises a stop where the run is. Raised inside a C extension's call back
+    into Python, it can come out as that library's own error: TensorFlow, checking a dataset's
+    structure as `fit` starts, reported one as "The two structures don't have the same nested
+    structure" (a ValueError), and the stopped run failed with status 1. Once a signal is
+    noted, whatever unwinds the run is its stop (`stopped`, `stop_behind`).
+
+    The signals are noted through the interpreter's wakeup fd (each signal's number is
+    written to a pipe as it arrives), not by a handler of ours: Prefect checks that its own
+    SIGTERM handler is in place before it accepts a cancellation from its runner. Where
+    another wakeup fd is set already, that one is left alone and nothing is noted."""
+    _state.signalled = None
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    read_end, write_end = os.pipe()
+    os.set_blocking(read_end, False)
+    os.set_blocking(write_end, False)
+    previous = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+    if previous != -1:  # someone else's
+        signal.set_wakeup_fd(previous)
+    else:
+        _state.wakeup = read_end
+    try:
+        yield
+    finally:
+        if previous == -1:
+            _noted()
+            _state.wakeup = None
+            if (current := signal.set_wakeup_fd(-1)) != write_end:  # replaced meanwhile:
+                signal.set_wakeup_fd(current)  # that one stays
+        os.close(read_end)
+        os.close(write_end)
+
+
+def _noted() -> int | None:
+    """The first stop signal noted by `stop_signals_noted` (None if none has arrived)."""
+    if _state.signalled is None and _state.wakeup is not None:
+        with contextlib.suppress(BlockingIOError):
+            arrived = os.read(_state.wakeup, 512)
+            _state.signalled = next((s for s in arrived if s in STOP_SIGNALS), None)
+    return _state.signalled
 
 
 def is_stopping() -> bool:
@@ -54,7 +119,8 @@ def stopping(cause: BaseException | int | None = None) -> None:
     _state.stopping = True
     signum = cause if isinstance(cause, int) else (
         signal.SIGINT if isinstance(cause, KeyboardInterrupt)
-        else getattr(cause, "signal", None) or getattr(cause, "signum", None))
+        else getattr(cause, "signal", None) or getattr(cause, "signum", None)
+        or _noted())
     what = signal.Signals(signum).name if signum else "a stop signal"
     log.warning("selfsup: %s: stopping at a safe point (send another to stop at once)", what)
     if threading.current_thread() is threading.main_thread():

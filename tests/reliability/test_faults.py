@@ -326,6 +326,49 @@ def test_a_stop_during_a_load_waits_for_it_and_a_second_stops_at_once(tmp_path, 
     assert "SIGTERM: stopping as soon as the stage's code has loaded" in proc.stderr
 
 
+_DISGUISED = """
+import os, signal, sys, time
+from prefect.exceptions import TerminationSignal
+from tasks.stopping import stop_behind, stop_signals_noted, stopped
+
+def prefects(signum, frame):  # as Prefect's engine handles SIGTERM during a flow run
+    raise TerminationSignal(signum)
+
+signal.signal(signal.SIGTERM, prefects)
+with stop_signals_noted():
+    try:
+        raise ValueError("a failure")
+    except ValueError as exc:
+        print("failure:", stopped(exc), stop_behind(exc))
+    print("handler kept:", signal.getsignal(signal.SIGTERM) is prefects)
+    try:
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        except TerminationSignal:  # as TensorFlow reported a stop raised in its call back
+            raise ValueError("The two structures don't have the same nested structure") from None
+    except ValueError as exc:
+        stop = stop_behind(exc)
+        print("disguised:", stopped(exc), type(stop).__name__, stop.signal == signal.SIGTERM)
+print("wakeup fd restored:", signal.set_wakeup_fd(-1) == -1)
+"""
+
+
+def test_a_stop_that_comes_out_as_another_error_is_still_a_stop(tmp_path):
+    """A stop raised inside a C extension's call back into Python can come out as that
+    library's own error (TensorFlow once reported a SIGTERM at the start of `fit` as a
+    ValueError, and the run failed with status 1). Once a stop signal reached the run, the error
+    it raised is a stop (`stop_behind` gives the TerminationSignal that the stage and the
+    pipeline raise from it); before any signal, an error is a failure. Prefect's SIGTERM handler
+    stays in place (it must, to accept a cancellation from its runner)."""
+    proc = subprocess.run([sys.executable, "-c", _DISGUISED], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines() == ["failure: False None", "handler kept: True",
+                                        "disguised: True TerminationSignal True",
+                                        "wakeup fd restored: True"]
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_second_signal_stops_at_once_and_takes_the_children_along(tmp_path, signum):
     """The first signal starts a clean stop; while that is under way (here a clean-up that
