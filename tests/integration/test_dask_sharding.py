@@ -1,6 +1,6 @@
 """Sharded stages (ingest, dedup, encode) on Dask give the bytes the in-process run gives.
 
-1. A 2-worker `LocalCluster` (what `--executor dask` starts) with 1, 4 and 7 shards: the
+1. A 2-worker `LocalCluster` (what `--executor dask` starts) with 1 and 7 shards: the
    artifacts are byte-identical to the in-process run, and a change of executor or shard
    count does not make a stage stale.
 2. An existing scheduler by address: a separately started `dask scheduler` and `dask worker`,
@@ -78,7 +78,7 @@ def in_process(corpus, tmp_path_factory) -> tuple[Path, dict[str, bytes]]:
 
 def test_sharded_stages_on_a_local_dask_cluster_are_byte_identical(corpus, in_process):
     cfg, (wd, expected) = build_config("tiny"), in_process
-    for shards in (1, 4, 7):
+    for shards in (1, 7):  # one shard on a worker; more shards than workers, uneven ones
         for stage, names in SHARDED.items():  # nothing left over from the last run
             (wd / stage / names[0]).unlink()
         result = run_pipeline(cfg, str(corpus), workdir=str(wd), stages=UP_TO_ENCODE,
