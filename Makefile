@@ -5,7 +5,8 @@ PYTHON  ?= python3.11
 VENV    := .venv
 BIN     := $(VENV)/bin
 WORKDIR ?= data/runs/default
-# CI adds the sentence-embedding baseline and the JAX backend: make test EXTRAS=dev,embeddings,jax
+# CI adds the sentence-embedding baseline, the JAX backend and the exports:
+#   make test EXTRAS=dev,embeddings,jax,export
 EXTRAS  ?= dev
 comma   := ,
 STAMP   := $(VENV)/.installed-$(subst $(comma),-,$(strip $(EXTRAS)))

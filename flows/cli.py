@@ -104,6 +104,25 @@ def build_parser() -> argparse.ArgumentParser:
                          help="also write every rejected input with its reason to this "
                               ".csv/.jsonl/.parquet file")
     predict.add_argument("--batch-size", type=int, default=256, help="[default: %(default)s]")
+    predict.add_argument("--engine", choices=("keras", "onnx"), default="keras",
+                         help="keras: classifier.keras; onnx: the same classifier converted to "
+                              "ONNX and scored by ONNX Runtime (the export extra) "
+                              "[default: %(default)s]")
+
+    export = sub.add_parser(
+        "export", help="write a finished run's model in a format other tools read",
+        description="--format hf: the pretrained encoder and its masked-LM head as a Hugging "
+                    "Face transformers checkpoint directory (AutoModelForMaskedLM, "
+                    "AutoTokenizer, pipeline('fill-mask')) with a model card. --format onnx: the "
+                    "kept classifier (ids -> class probabilities) as an ONNX model, with its "
+                    "spec (labels, encode settings) and tokenizer beside it. The run's files "
+                    "are checked against their manifests first.")
+    export.add_argument("--workdir", default=DEFAULT_WORKDIR, help="[default: %(default)s]")
+    export.add_argument("--format", dest="export_format", choices=("hf", "onnx"), required=True)
+    export.add_argument("--out", required=True,
+                        help="hf: a directory (new, empty, or an earlier export, which is "
+                             "replaced); onnx: a .onnx file (X.onnx gets X.json and "
+                             "X.tokenizer.json beside it)")
 
     fill = sub.add_parser(
         "fill-mask", help="show what a masked-LM run predicts for each [MASK] in a text",
@@ -239,7 +258,8 @@ def _cmd_predict(args: argparse.Namespace) -> int:
         from selfsup_model.serving.scoring import format_table, write_predictions
     lines = sys.stdin.buffer if args.input == "-" else None
     outcome = run_predict(args.workdir, args.input, args.out, text_column=args.text_column,
-                          id_column=args.id_column, batch_size=args.batch_size, lines=lines)
+                          id_column=args.id_column, batch_size=args.batch_size, lines=lines,
+                          engine=args.engine)
     _report_rejects(outcome.rejects, outcome.read)
     if args.rejects:
         write_predictions(outcome.rejects, args.rejects)
@@ -253,22 +273,9 @@ def _cmd_predict(args: argparse.Namespace) -> int:
 def _pretrained_model(workdir: str):
     """The run's pretrain_model.keras and tokenizer, both verified against their manifests."""
     with native_startup_logs_held():
-        from selfsup_model.nn.saving import load_keras_model
-        from selfsup_model.serving.inference import verified_outputs
-        from selfsup_model.text.tokenization import load_tokenizer
-    model_path = verified_outputs(workdir, "pretrain", ["pretrain_model.keras"],
-                                  "pretrained model")[0]
-    tok_path = verified_outputs(workdir, "tokenizer", ["tokenizer.json"], "tokenizer")[0]
-    # The tokenizer must be the one pretraining read: one refitted since (a rerun of the
-    # tokenizer stage alone) maps text to ids the model never learned.
-    from selfsup_model.artifacts import read_manifest, sha256_file
-
-    trained_with = read_manifest(model_path.parent).inputs.get("tokenizer/tokenizer.json")
-    if trained_with != sha256_file(tok_path):
-        raise UserError(f"the tokenizer in {workdir} is not the one its pretrained model was "
-                        f"trained with (refitted since); rerun: selfsup run --workdir {workdir} "
-                        "--from pretrain")
-    return load_keras_model(model_path), load_tokenizer(tok_path)
+        from selfsup_model.serving.inference import load_run_pretrained
+    run = load_run_pretrained(workdir)
+    return run.model, run.tokenizer
 
 
 def _cmd_fill_mask(args: argparse.Namespace) -> int:
@@ -372,6 +379,17 @@ def _quiet_prefect_user_errors() -> None:
             logger.addFilter(_HideUserErrorTracebacks())
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    with native_startup_logs_held():
+        import keras  # noqa: F401
+
+        from flows.export import run_export
+    summary = run_export(args.workdir, args.export_format, args.out)
+    print(f"{summary['what']} -> {summary['out']} ({len(summary['files'])} files, "
+          f"{summary['bytes'] / 1e6:.1f} MB, {summary['seconds']:.1f} s)")
+    return 0
+
+
 def _configure_logging() -> None:
     """selfsup's own progress lines on the terminal.
 
@@ -390,7 +408,7 @@ def _configure_logging() -> None:
 
 COMMANDS = {"run": _cmd_run, "stages": _cmd_stages, "report": _cmd_report,
             "predict": _cmd_predict, "fill-mask": _cmd_fill_mask, "generate": _cmd_generate,
-            "ui": _cmd_ui}
+            "export": _cmd_export, "ui": _cmd_ui}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -13,6 +13,7 @@ import contextlib
 import importlib.metadata
 import logging
 import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from mlflow.tracking import MlflowClient
 from mlflow.types import ColSpec, Schema
 
 import selfsup_model
-from selfsup_model.serving.inference import BUNDLE_FILES, read_spec
+from selfsup_model.serving.inference import BUNDLE_FILES, SPEC_FILE, read_spec
 
 log = logging.getLogger("selfsup.tracking")
 
@@ -40,9 +41,12 @@ def classifier_signature(classes: list[str]) -> ModelSignature:
     return ModelSignature(inputs=Schema([ColSpec("string", "text")]), outputs=Schema(outputs))
 
 
-def requirements() -> list[str]:
-    """What loading the model needs, pinned to the versions that trained it."""
+def requirements(engine: str = "keras") -> list[str]:
+    """What loading the model needs, pinned to the versions that trained it. Keras and its
+    backend either way: the pyfunc's text path imports them (selfsup_model.serving.inference)."""
     dists = ["mlflow", "keras", "tokenizers", "numpy", "pandas", "pydantic", "pyarrow"]
+    if engine == "onnx":
+        dists.append("onnxruntime")
     backend = keras.backend.backend()
     dists += {"tensorflow": ["tensorflow-cpu", "tensorflow"], "jax": ["jax"]}.get(backend, [])
     pins = []
@@ -78,29 +82,47 @@ def _tracking_uri(uri: str) -> Iterator[None]:
 
 
 def log_classifier(tracking_uri: str, run_id: str, bundle_dir: Path,
-                   registered_name: str | None) -> tuple[str, str | None]:
-    """Log the bundle in `bundle_dir` into `run_id`; register it under `registered_name` (None:
-    log only). Returns (model URI, registered version or None)."""
+                   registered_name: str | None, engine: str = "keras") -> tuple[str, str | None]:
+    """Log the bundle in `bundle_dir` into `run_id`, as it is (engine "keras") or with its
+    classifier converted to ONNX ("onnx"); register it under `registered_name` (None: log
+    only). Returns (model URI, registered version or None)."""
+    with tempfile.TemporaryDirectory() as staging:
+        if engine == "onnx":
+            from selfsup_model.serving.inference import ClassifierBundle
+            from selfsup_model.serving.onnx_export import write_onnx_bundle
+
+            files = write_onnx_bundle(ClassifierBundle.load(bundle_dir),
+                                      Path(staging) / f"{Path(SPEC_FILE).stem}.onnx",
+                                      {"bundle": str(Path(bundle_dir).resolve())})
+        else:
+            files = [Path(bundle_dir) / name for name in BUNDLE_FILES]
+        return _log(tracking_uri, run_id, bundle_dir, registered_name, engine, files)
+
+
+def _log(tracking_uri: str, run_id: str, bundle_dir: Path, registered_name: str | None,
+         engine: str, files: list[Path]) -> tuple[str, str | None]:
     spec = read_spec(bundle_dir)
     client = MlflowClient(tracking_uri)
     # Created here, in the run's experiment: left to itself, MLflow would file the model under
     # the process's active (by default the "Default") experiment and its artifact root.
     model = client.create_logged_model(
         experiment_id=client.get_run(run_id).info.experiment_id, name="classifier",
-        source_run_id=run_id, tags={"selfsup.kept_method": spec["kept"]["method"]})
+        source_run_id=run_id, tags={"selfsup.kept_method": spec["kept"]["method"],
+                                    "selfsup.engine": engine})
     with _tracking_uri(tracking_uri):
         info = Model.log(
             artifact_path=None, name="classifier", flavor=mlflow.pyfunc, run_id=run_id,
             model_id=model.model_id,
             python_model=str(MODEL_CODE),
-            artifacts={name: str(Path(bundle_dir) / name) for name in BUNDLE_FILES},
+            artifacts={path.name: str(path) for path in files},
             code_paths=[str(Path(selfsup_model.__file__).parent)],
-            pip_requirements=requirements(),
+            pip_requirements=requirements(engine),
             signature=classifier_signature(spec["classes"]),
             input_example=pd.DataFrame({"text": [EXAMPLE_TEXT]}),
             registered_model_name=registered_name,
         )
     version = info.registered_model_version
-    log.info("logged the classifier (%s) as %s%s", spec["kept"]["method"], info.model_uri,
+    log.info("logged the classifier (%s, %s) as %s%s", spec["kept"]["method"], engine,
+             info.model_uri,
              f"; registered as {registered_name} version {version}" if version else "")
     return info.model_uri, (str(version) if version is not None else None)

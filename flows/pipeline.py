@@ -12,6 +12,7 @@ from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
 from flows.executors import Executor, Sharding, open_fan_out
+from flows.export import ExportFormat, run_export
 from flows.lock import workdir_lock
 from flows.predict import label_counts_markdown, run_predict
 from flows.settings import RunSettings, changed_keys, read_settings, write_settings
@@ -112,7 +113,8 @@ def run_pipeline(
         ctx = RunContext(workdir=wd, config=config, corpus=str(corpus), corpus_format=corpus_format,
                          force=frozenset(force), fan_out=fan_out, lineage=lineage.lineage,
                          previous=lineage.extends,
-                         tracking=(PipelineTracking(tracker, parent, config.registered_model)
+                         tracking=(PipelineTracking(tracker, parent, config.registered_model,
+                                                    config.logged_model)
                                    if tracker else None))
         tasks = stage_tasks()
         results: list[StageResult] = []
@@ -229,13 +231,13 @@ def stage_flow(
 @flow(name="selfsup-predict", persist_result=False, log_prints=True)
 def predict_flow(source: str, out: str, workdir: str = DEFAULT_WORKDIR,
                  text_column: str | None = None, id_column: str | None = None,
-                 batch_size: int = 256) -> dict:
-    """Score a folder or table of new documents with a finished run's classifier; write the
-    predictions to `out` (.parquet/.jsonl/.csv; its folder is created) and a label-count
-    summary artifact."""
+                 batch_size: int = 256, engine: Literal["keras", "onnx"] = "keras") -> dict:
+    """Score a folder or table of new documents with a finished run's classifier (through Keras
+    or ONNX Runtime); write the predictions to `out` (.parquet/.jsonl/.csv; its folder is
+    created) and a label-count summary artifact."""
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     outcome = run_predict(workdir, source, out, text_column=text_column, id_column=id_column,
-                          batch_size=batch_size)
+                          batch_size=batch_size, engine=engine)
     if outcome.out is not None:
         rejects_path = outcome.out.with_name(outcome.out.stem + ".rejects.csv")
         if len(outcome.rejects):
@@ -248,3 +250,18 @@ def predict_flow(source: str, out: str, workdir: str = DEFAULT_WORKDIR,
     return {"read": outcome.read, "scored": len(outcome.predictions),
             "rejected": len(outcome.rejects), "out": str(outcome.out),
             "labels": outcome.predictions["label"].value_counts().to_dict()}
+
+
+@flow(name="selfsup-export", persist_result=False, log_prints=True)
+def export_flow(out: str, export_format: ExportFormat = "hf",
+                workdir: str = DEFAULT_WORKDIR) -> dict:
+    """Publish a finished run's model: hf, the pretrained encoder and masked-LM head as a
+    transformers checkpoint directory; onnx, the kept classifier as an ONNX model with its spec
+    and tokenizer beside it. The run's files are checked against their manifests first."""
+    summary = run_export(workdir, export_format, out)
+    files = "\n".join(f"- `{f}`" for f in summary["files"])
+    create_markdown_artifact(key="selfsup-export", description="selfsup: an exported model",
+                             markdown=f"# selfsup export ({export_format})\n\n{summary['what']} "
+                                      f"of `{workdir}` -> `{out}`, {summary['bytes']} bytes in "
+                                      f"{summary['seconds']} s:\n\n{files}\n")
+    return summary

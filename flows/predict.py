@@ -41,14 +41,20 @@ def columns_config(workdir: str, text_column: str | None, id_column: str | None
 
 def run_predict(workdir: str, source: str, out: str | None = None, *,
                 text_column: str | None = None, id_column: str | None = None,
-                batch_size: int = 256, lines: Iterable[bytes] | None = None) -> PredictOutcome:
-    """Score `source` (folder, table, or "-" for `lines`) with the classifier of `workdir`."""
+                batch_size: int = 256, lines: Iterable[bytes] | None = None,
+                engine: str = "keras") -> PredictOutcome:
+    """Score `source` (folder, table, or "-" for `lines`) with the classifier of `workdir`,
+    through Keras or (`engine="onnx"`) the same classifier converted to ONNX."""
     if batch_size < 1:  # a deployment's parameter reaches here without the CLI's check
         raise UserError(f"batch_size must be at least 1 (got {batch_size})")
+    if engine not in ("keras", "onnx"):
+        raise UserError(f"engine must be keras or onnx (got {engine!r})")
     out_path = check_output_path(out) if out else None  # fail before any work
     from selfsup_model.serving.inference import load_run_classifier  # Keras: only when scoring
 
     bundle = load_run_classifier(workdir)
+    if engine == "onnx":
+        bundle = bundle.onnx_engine()
     inputs = read_inputs(source, columns_config(workdir, text_column, id_column), lines)
     log.info("scoring %d documents (%d rejected on reading) with %s from %s",
              len(inputs.documents), len(inputs.rejects), bundle.spec["kept"]["method"], workdir)

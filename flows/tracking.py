@@ -251,9 +251,9 @@ class PipelineTracking:
     """
 
     def __init__(self, tracker: Tracker, parent_run_id: str,
-                 registered_model: str | None = None):
+                 registered_model: str | None = None, logged_model: str = "keras"):
         self.tracker, self.parent = tracker, parent_run_id
-        self.registered_model = registered_model
+        self.registered_model, self.logged_model = registered_model, logged_model
 
     def stage_started(self, stage: str, params: dict[str, Any], reason: str) -> str:
         run_id = self.tracker.start_run(stage, {"selfsup.stage": stage,
@@ -298,7 +298,7 @@ class PipelineTracking:
 
         with self.tracker.answering():
             uri, version = log_classifier(self.tracker.tracking_uri, run, bundle_dir,
-                                          self.registered_model)
+                                          self.registered_model, self.logged_model)
         tags = {"selfsup.classifier_uri": uri}
         if version is not None:
             tags["selfsup.registered_model"] = f"models:/{self.registered_model}/{version}"

@@ -26,7 +26,7 @@ MANIFEST_NAME = "manifest.json"
 _CHUNK = 1 << 20
 
 
-def _umask() -> int:
+def current_umask() -> int:
     mask = os.umask(0o022)  # reading the umask means setting it: put it straight back
     os.umask(mask)
     return mask
@@ -40,7 +40,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
     # mkstemp makes the file 0600; the replaced file gets what open() would give it under the
     # umask, so a model's spec and tokenizer are as readable as the weights beside them.
-    os.fchmod(fd, 0o666 & ~_umask())
+    os.fchmod(fd, 0o666 & ~current_umask())
     os.close(fd)
     tmp_path = Path(tmp)
     try:

@@ -331,6 +331,10 @@ class PipelineConfig(_Section):
         "selfsup-classifier", min_length=1,
         description="MLflow Model Registry name the kept classifier is registered under "
                     "(null: log the model on the finetune run without registering it)")
+    logged_model: Literal["keras", "onnx"] = Field(
+        "keras", description="What the logged MLflow model scores with: keras (classifier.keras) "
+                             "or onnx (the same classifier as an ONNX model, scored by ONNX "
+                             "Runtime; needs the export extra). Takes effect when finetune runs.")
     ingest: IngestConfig = IngestConfig()
     dedup: DedupConfig = DedupConfig()
     split: SplitConfig = SplitConfig()

@@ -151,9 +151,13 @@ class EncodedTexts:
 
 
 class ClassifierBundle:
-    """A finished run's classifier with its tokenizer and spec, verified and loaded."""
+    """A finished run's classifier with its tokenizer and spec, verified and loaded.
 
-    def __init__(self, directory: str | Path, spec: dict[str, Any], model: keras.Model,
+    The model is `classifier.keras` (Keras) or, in a bundle `selfsup export --format onnx`
+    wrote, an ONNX file scored by ONNX Runtime (the spec's `model_file` names it); the text
+    path is the same for both."""
+
+    def __init__(self, directory: str | Path, spec: dict[str, Any], model: Any,
                  tokenizer: Any):
         self.directory, self.spec, self.model, self.tokenizer = (
             Path(directory), spec, model, tokenizer)
@@ -164,24 +168,51 @@ class ClassifierBundle:
         self.encode = EncodeConfig(**spec["encode"])
         if not self.every_window:
             self.encode = self.encode.model_copy(update={"max_windows_per_doc": 1})
+        self.engine = "onnx" if str(spec.get("model_file", "")).endswith(".onnx") else "keras"
+        self._scorer: Callable[[np.ndarray, int], np.ndarray] | None = None
+        if self.engine == "onnx":
+            from selfsup_model.serving.onnx_export import OnnxScorer
+
+            self._scorer = OnnxScorer(self.directory / spec["model_file"])
 
     @classmethod
-    def load(cls, directory: str | Path) -> ClassifierBundle:
+    def load(cls, directory: str | Path, spec_file: str = SPEC_FILE) -> ClassifierBundle:
         directory = Path(directory)
-        spec = read_spec(directory)
+        spec = read_spec(directory, spec_file)
+        model_file = spec.get("model_file", CLASSIFIER_FILE)
+        tokenizer_file = spec.get("tokenizer_file", TOKENIZER_FILE)
         digests = spec.get("sha256") if isinstance(spec.get("sha256"), dict) else {}
-        if unhashed := [n for n in (CLASSIFIER_FILE, TOKENIZER_FILE) if n not in digests]:
-            raise ArtifactError(f"{directory / SPEC_FILE} records no sha256 for {unhashed}: not "
-                                "a bundle the finetune stage wrote; rerun it")
+        if unhashed := [n for n in (model_file, tokenizer_file) if n not in digests]:
+            raise ArtifactError(f"{directory / spec_file} records no sha256 for {unhashed}: not "
+                                "a bundle selfsup wrote; rerun the finetune stage")
         for name, digest in digests.items():
             path = directory / name
             if not path.is_file():
                 raise ArtifactError(f"{path} is missing; rerun the finetune stage")
             if sha256_file(path) != digest:
-                raise ArtifactError(f"{path} does not match the sha256 in {SPEC_FILE} "
+                raise ArtifactError(f"{path} does not match the sha256 in {spec_file} "
                                     "(changed after the run wrote it); rerun the finetune stage")
-        return cls(directory, spec, load_keras_model(directory / CLASSIFIER_FILE),
-                   load_tokenizer(directory / TOKENIZER_FILE))
+        model = (None if model_file.endswith(".onnx")
+                 else load_keras_model(directory / model_file))
+        return cls(directory, spec, model, load_tokenizer(directory / tokenizer_file))
+
+    def onnx_engine(self) -> ClassifierBundle:
+        """This bundle scoring through ONNX Runtime: its Keras classifier converted in memory
+        (`onnx_export.classifier_onnx`), the same text path."""
+        if self.engine == "onnx":
+            return self
+        from selfsup_model.serving.onnx_export import OnnxScorer, classifier_onnx
+
+        bundle = ClassifierBundle(self.directory, self.spec, self.model, self.tokenizer)
+        bundle.engine = "onnx"
+        bundle._scorer = OnnxScorer(classifier_onnx(self.model).SerializeToString())
+        return bundle
+
+    def logits(self, ids: np.ndarray, batch_size: int = 256) -> np.ndarray:
+        """Class logits (m, C) for framed classifier inputs (m, L), by this bundle's engine."""
+        if self._scorer is not None:
+            return self._scorer(ids, batch_size)
+        return predict_in_batches(self.model, ids, batch_size)
 
     def encode_texts(self, texts: Sequence[str]) -> EncodedTexts:
         """Texts -> framed classifier inputs, by the training path (see the module docstring)."""
@@ -204,7 +235,7 @@ class ClassifierBundle:
         probs, kept = [], []
         for start in range(0, len(texts), _CHUNK_DOCS):
             enc = self.encode_texts(texts[start : start + _CHUNK_DOCS])
-            logits = predict_in_batches(self.model, enc.ids, batch_size)  # (m, C)
+            logits = self.logits(enc.ids, batch_size)  # (m, C)
             probs.append(mean_over_documents(softmax(logits), enc.owner, len(enc.kept)))
             kept.append(enc.kept + start)
             if progress is not None:
@@ -235,6 +266,33 @@ def verified_outputs(workdir: str | Path, stage: str, names: Sequence[str],
     return [stage_dir / name for name in names]
 
 
+@dataclasses.dataclass(frozen=True)
+class RunPretrained:
+    """A finished run's `pretrain_model.keras` and the tokenizer it was trained with."""
+
+    model: keras.Model
+    tokenizer: Any
+    model_path: Path
+    tokenizer_path: Path
+
+
+def load_run_pretrained(workdir: str | Path) -> RunPretrained:
+    """The run's pretrain_model.keras and tokenizer, both verified against their manifests,
+    and the tokenizer checked to be the one pretraining read."""
+    model_path = verified_outputs(workdir, "pretrain", ["pretrain_model.keras"],
+                                  "pretrained model")[0]
+    tok_path = verified_outputs(workdir, "tokenizer", [TOKENIZER_FILE], "tokenizer")[0]
+    # One refitted since (a rerun of the tokenizer stage alone) maps text to ids the model
+    # never learned.
+    trained_with = read_manifest(model_path.parent).inputs.get(f"tokenizer/{TOKENIZER_FILE}")
+    if trained_with != sha256_file(tok_path):
+        raise UserError(f"the tokenizer in {workdir} is not the one its pretrained model was "
+                        f"trained with (refitted since); rerun: selfsup run --workdir {workdir} "
+                        "--from pretrain")
+    return RunPretrained(load_keras_model(model_path), load_tokenizer(tok_path), model_path,
+                         tok_path)
+
+
 def load_run_classifier(workdir: str | Path) -> ClassifierBundle:
     """The classifier a finished finetune stage in `workdir` handed over, verified: the spec
     against the stage's manifest, the other files against the spec (in `ClassifierBundle.load`;
@@ -243,13 +301,13 @@ def load_run_classifier(workdir: str | Path) -> ClassifierBundle:
     return ClassifierBundle.load(spec_path.parent)
 
 
-def read_spec(directory: str | Path) -> dict[str, Any]:
-    """classifier.json of a bundle, or one clear error."""
-    path = Path(directory) / SPEC_FILE
+def read_spec(directory: str | Path, spec_file: str = SPEC_FILE) -> dict[str, Any]:
+    """classifier.json (or an ONNX export's spec) of a bundle, or one clear error."""
+    path = Path(directory) / spec_file
     try:
         spec = json.loads(path.read_text("utf-8"))
     except FileNotFoundError:
-        raise UserError(f"no finished classifier in {Path(directory)} ({SPEC_FILE} missing); "
+        raise UserError(f"no finished classifier in {Path(directory)} ({spec_file} missing); "
                         "run the pipeline through the finetune stage first") from None
     except (OSError, ValueError) as exc:
         raise ArtifactError(f"{path} is unreadable ({exc}); rerun the finetune stage") from None

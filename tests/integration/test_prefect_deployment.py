@@ -24,6 +24,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from selfsup_model.serving.hf_export import check_export
+
 ROOT = Path(__file__).resolve().parents[2]
 PREFECT = [sys.executable, "-m", "prefect"]
 pytestmark = pytest.mark.integration
@@ -159,7 +161,7 @@ def worker(deployed, tmp_path_factory):
 def test_deploy_schedule_and_rerun_one_stage(deployed, worker, tmp_path):
     env = deployed
     listed = {d["name"] for d in _api(env, "deployments/filter", {})}
-    assert {"weekly", "rerun-stage", "nightly-scoring"} <= listed
+    assert {"weekly", "rerun-stage", "nightly-scoring", "publish-model"} <= listed
     scoring = _api(env, "deployments/name/selfsup-predict/nightly-scoring")
     assert [s["active"] for s in scoring["schedules"]] == [False]  # the nightly ships paused
 
@@ -215,6 +217,14 @@ def test_deploy_schedule_and_rerun_one_stage(deployed, worker, tmp_path):
                      {"artifacts": {"key": {"any_": ["selfsup-predictions"]}}})
     summary = " ".join(a["data"] for a in artifacts)
     assert "3 documents read" in summary and "| label | documents |" in summary
+
+    # The week's encoder published where transformers reads it.
+    published = _run_and_wait(env, worker, "selfsup-export/publish-model",
+                              {"out": str(tmp_path / "published"), "workdir": str(workdir)})
+    assert published["state"]["type"] == "COMPLETED", published["state"]
+    provenance = check_export(tmp_path / "published")
+    assert provenance["architecture"] == "BertForMaskedLM"
+    assert provenance["from"]["workdir"] == str(workdir.resolve())
 
 
 def test_cancelling_a_deployment_run_stops_it_and_leaves_nothing_running(deployed, worker,
