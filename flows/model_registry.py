@@ -42,13 +42,16 @@ def classifier_signature(classes: list[str]) -> ModelSignature:
 
 
 def requirements(engine: str = "keras") -> list[str]:
-    """What loading the model needs, pinned to the versions that trained it. Keras and its
-    backend either way: the pyfunc's text path imports them (selfsup_model.serving.inference)."""
-    dists = ["mlflow", "keras", "tokenizers", "numpy", "pandas", "pydantic", "pyarrow"]
+    """What loading the model needs, pinned to the versions that trained it: Keras and its
+    backend for the Keras model, ONNX Runtime instead for the ONNX one (its text path and
+    scoring import neither Keras nor a backend)."""
+    dists = ["mlflow", "tokenizers", "numpy", "pandas", "pydantic", "pyarrow"]
     if engine == "onnx":
         dists.append("onnxruntime")
-    backend = keras.backend.backend()
-    dists += {"tensorflow": ["tensorflow-cpu", "tensorflow"], "jax": ["jax"]}.get(backend, [])
+    else:
+        dists.append("keras")
+        backend = keras.backend.backend()
+        dists += {"tensorflow": ["tensorflow-cpu", "tensorflow"], "jax": ["jax"]}.get(backend, [])
     pins = []
     for dist in dists:
         try:

@@ -27,9 +27,8 @@ import json
 import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import keras
 import numpy as np
 
 from selfsup_model.artifacts import (
@@ -43,18 +42,19 @@ from selfsup_model.artifacts import (
 from selfsup_model.config import EncodeConfig
 from selfsup_model.corpus.ingest import normalize_document
 from selfsup_model.errors import ArtifactError, UserError
-from selfsup_model.nn.saving import load_keras_model
 from selfsup_model.report.effects import tie_rank
 from selfsup_model.text.encoding import encode_split
 from selfsup_model.text.tokenization import load_tokenizer
-from selfsup_model.text.windows import document_windows, first_windows, mean_over_documents
-from selfsup_model.transfer.classify import (
-    build_pooling,
+from selfsup_model.text.windows import (
+    document_windows,
+    first_windows,
     frame_windows,
-    is_causal,
-    predict_in_batches,
+    mean_over_documents,
     softmax,
 )
+
+if TYPE_CHECKING:  # Keras is imported where a Keras model is built or loaded: an ONNX bundle
+    import keras  # scores without it (the ONNX pyfunc needs neither Keras nor TensorFlow)
 
 CLASSIFIER_FILE = "classifier.keras"
 TOKENIZER_FILE = "tokenizer.json"
@@ -100,6 +100,10 @@ def probe_classifier(backbone: keras.Model, pooling: str, model: Any, mean: np.n
     if len(classes) == 2 and coef.shape[0] == 1:
         coef = np.vstack([np.zeros_like(coef), coef])
         intercept = np.concatenate([[0.0], intercept])
+    import keras
+
+    from selfsup_model.transfer.classify import build_pooling
+
     weights = coef / np.asarray(scale, np.float64)[None, :]  # (C, d)
     bias = intercept - weights @ np.asarray(mean, np.float64)  # (C,)
     ids = keras.Input(shape=(None,), dtype="int32", name="token_ids")
@@ -114,6 +118,8 @@ def write_bundle(out_dir: Path, kept: KeptCandidate, model: keras.Model, tokeniz
                  classes: Sequence[str], encode: EncodeConfig, max_len: int | None,
                  pooling: str, backbone: keras.Model, read_windows: str = "all") -> list[str]:
     """Write classifier.keras, tokenizer.json and classifier.json (last); return their names."""
+    from selfsup_model.transfer.classify import is_causal
+
     out_dir = Path(out_dir)
     save_keras_atomic(model, out_dir / CLASSIFIER_FILE)
     with atomic_path(out_dir / TOKENIZER_FILE) as tmp:
@@ -192,8 +198,12 @@ class ClassifierBundle:
             if sha256_file(path) != digest:
                 raise ArtifactError(f"{path} does not match the sha256 in {spec_file} "
                                     "(changed after the run wrote it); rerun the finetune stage")
-        model = (None if model_file.endswith(".onnx")
-                 else load_keras_model(directory / model_file))
+        if model_file.endswith(".onnx"):
+            model = None
+        else:
+            from selfsup_model.nn.saving import load_keras_model
+
+            model = load_keras_model(directory / model_file)
         return cls(directory, spec, model, load_tokenizer(directory / tokenizer_file))
 
     def onnx_engine(self) -> ClassifierBundle:
@@ -212,6 +222,8 @@ class ClassifierBundle:
         """Class logits (m, C) for framed classifier inputs (m, L), by this bundle's engine."""
         if self._scorer is not None:
             return self._scorer(ids, batch_size)
+        from selfsup_model.transfer.classify import predict_in_batches
+
         return predict_in_batches(self.model, ids, batch_size)
 
     def encode_texts(self, texts: Sequence[str]) -> EncodedTexts:
@@ -289,6 +301,8 @@ def load_run_pretrained(workdir: str | Path) -> RunPretrained:
         raise UserError(f"the tokenizer in {workdir} is not the one its pretrained model was "
                         f"trained with (refitted since); rerun: selfsup run --workdir {workdir} "
                         "--from pretrain")
+    from selfsup_model.nn.saving import load_keras_model
+
     return RunPretrained(load_keras_model(model_path), load_tokenizer(tok_path), model_path,
                          tok_path)
 

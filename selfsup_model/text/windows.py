@@ -20,6 +20,21 @@ def causal_framing(windows: np.ndarray) -> np.ndarray:
     return np.where(x == CLS_ID, BOS_ID, np.where(x == SEP_ID, EOS_ID, x)).astype(np.int32)
 
 
+def frame_windows(windows: np.ndarray, causal: bool) -> np.ndarray:
+    """[CLS] ... [SEP] windows as int32, reframed [BOS] ... [EOS] when `causal` (a classifier on
+    a causal encoder reads its windows as that encoder was pretrained on them)."""
+    windows = np.asarray(windows, dtype=np.int32)
+    return causal_framing(windows) if causal else windows
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    """Row-wise softmax of (n, C) logits (per-window class probabilities), in float64 then
+    float32."""
+    z = np.asarray(logits, np.float64)
+    z = np.exp(z - z.max(axis=-1, keepdims=True))
+    return (z / z.sum(axis=-1, keepdims=True)).astype(np.float32)
+
+
 def causal_lm_batch(windows: np.ndarray) -> dict[str, np.ndarray]:
     """Next-token inputs/targets from framed windows (B, L): shifted here, exactly once.
 

@@ -19,7 +19,12 @@ from selfsup_model.errors import UserError
 from selfsup_model.nn.layers import FastDropout, TransformerEncoderBlock, derive_seed
 from selfsup_model.nn.pooling import ClsPooling, LastTokenPooling, MaskedMeanPooling
 from selfsup_model.text.specials import PAD_ID
-from selfsup_model.text.windows import causal_framing, documents_owning, mean_over_documents
+from selfsup_model.text.windows import (
+    documents_owning,
+    frame_windows,
+    mean_over_documents,
+    softmax,
+)
 
 POOLINGS: tuple[str, ...] = ("mean", "cls", "last")
 
@@ -33,12 +38,6 @@ def is_causal(backbone: keras.Model) -> bool:
 def encoder_inputs(backbone: keras.Model, windows: np.ndarray) -> np.ndarray:
     """Framed windows as this encoder expects them: [BOS] ... [EOS] for a causal encoder."""
     return frame_windows(windows, is_causal(backbone))
-
-
-def frame_windows(windows: np.ndarray, causal: bool) -> np.ndarray:
-    """[CLS] ... [SEP] windows as int32, reframed [BOS] ... [EOS] when `causal`."""
-    windows = np.asarray(windows, dtype=np.int32)
-    return causal_framing(windows) if causal else windows
 
 
 def build_pooling(pooling: str, backbone: keras.Model) -> keras.layers.Layer:
@@ -127,13 +126,6 @@ def predict_classes(model: keras.Model, ids: np.ndarray, batch_size: int = 256,
     if (n_docs := documents_owning(owner)) is not None:
         scores = mean_over_documents(softmax(scores), owner, n_docs)
     return np.argmax(scores, axis=-1).astype(np.int64)
-
-
-def softmax(logits: np.ndarray) -> np.ndarray:
-    """Row-wise softmax of (n, C) logits, in float64 then float32."""
-    z = np.asarray(logits, np.float64)
-    z = np.exp(z - z.max(axis=-1, keepdims=True))
-    return (z / z.sum(axis=-1, keepdims=True)).astype(np.float32)
 
 
 def stratified_subset(labels: Sequence, fraction: float, seed: int) -> np.ndarray:

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 import flows.cli
-from flows.pipeline import pipeline_flow, predict_flow, stage_flow
+from flows.pipeline import export_flow, pipeline_flow, predict_flow, stage_flow
 from tasks.registry import STAGE_NAMES, stage_tasks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -71,7 +71,8 @@ def test_prefect_yaml_entrypoints_resolve_and_parameters_validate():
     spec = yaml.safe_load((ROOT / "prefect.yaml").read_text())
     flows_by_entry = {"flows/pipeline.py:pipeline_flow": pipeline_flow,
                       "flows/pipeline.py:stage_flow": stage_flow,
-                      "flows/pipeline.py:predict_flow": predict_flow}
+                      "flows/pipeline.py:predict_flow": predict_flow,
+                      "flows/pipeline.py:export_flow": export_flow}
     for dep in spec["deployments"]:
         flow = flows_by_entry[dep["entrypoint"]]
         schema = flow.parameters.model_dump()

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pandas as pd
@@ -374,3 +376,18 @@ def test_the_mlflow_model_can_carry_the_onnx_classifier(onnx_export, tmp_path):
     probs, _ = load_run_classifier(wd).predict_proba(test["text"].tolist())
     classes = load_run_classifier(wd).classes
     np.testing.assert_allclose(got[[f"p_{c}" for c in classes]].to_numpy(), probs, atol=1e-4)
+
+    # A serving process loads and scores it with neither Keras nor a backend installed or
+    # imported: its requirements name ONNX Runtime instead.
+    requirements = next((tmp_path / "artifacts").rglob("requirements.txt")).read_text()
+    assert "onnxruntime==" in requirements
+    assert "keras" not in requirements and "tensorflow" not in requirements
+    code = ("import sys, mlflow, pandas as pd; mlflow.set_tracking_uri(sys.argv[1]); "
+            "m = mlflow.pyfunc.load_model(sys.argv[2]); "
+            "print(m.predict(pd.DataFrame({'text': [sys.argv[3]]}))['label'][0]); "
+            "print(sorted({'keras', 'tensorflow', 'jax', 'torch'} & set(sys.modules)))")
+    child = subprocess.run([sys.executable, "-c", code, uri, model_uri, test["text"][0]],
+                           capture_output=True, text=True, timeout=120, check=False)
+    assert child.returncode == 0, child.stderr[-3000:]
+    label, imported = child.stdout.splitlines()[-2:]
+    assert label == got["label"][0] and imported == "[]"
