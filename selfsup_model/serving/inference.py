@@ -194,10 +194,12 @@ class ClassifierBundle:
         for name, digest in digests.items():
             path = directory / name
             if not path.is_file():
-                raise ArtifactError(f"{path} is missing; rerun the finetune stage")
+                raise ArtifactError(f"{path} is missing; rerun the finetune stage (or the "
+                                    "export that wrote it)")
             if sha256_file(path) != digest:
                 raise ArtifactError(f"{path} does not match the sha256 in {spec_file} "
-                                    "(changed after the run wrote it); rerun the finetune stage")
+                                    "(changed after it was written); rerun the finetune stage "
+                                    "(or the export that wrote it)")
         if model_file.endswith(".onnx"):
             model = None
         else:
