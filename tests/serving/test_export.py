@@ -197,6 +197,19 @@ def test_fill_mask_pipeline_gives_selfsup_fill_masks_top_5(tiny_run, tmp_path, c
     assert f"**{loss:.4f}**" in card and f"**{int(scored)}**" in card and "pydocs" in card
 
     run = load_run_pretrained(wd)
+    # The run's own pretrain_model.keras on its stored validation windows (with their [MASK]s).
+    import torch
+    from transformers import AutoModelForMaskedLM
+
+    ids = np.load(wd / "masks" / "val_masks.npz")["input_ids"].astype(np.int32)
+    theirs = AutoModelForMaskedLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        got = theirs(input_ids=torch.from_numpy(ids.astype(np.int64)),
+                     attention_mask=torch.from_numpy((ids != PAD_ID).astype(np.int64))
+                     ).logits.numpy()
+    real = ids != PAD_ID
+    assert (ids == MASK_ID).any()
+    assert np.abs(got[real] - np.asarray(run.model(ids, training=False))[real]).max() < 1e-4
     fill = pipeline("fill-mask", model=str(out), top_k=5 + NUM_SPECIAL)
     for text in ("Parse an email [MASK] from a bytes object.",
                  "The [MASK] module runs the unit [MASK] of a package."):
