@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from flows.executors import EXECUTORS, Sharding
+from flows.export import FORMATS as EXPORT_FORMATS
 from flows.shutdown import RunStopped, stop_signals
 from selfsup_model.config import DEFAULT_WORKDIR, CorpusFormat
 from selfsup_model.errors import UserError
@@ -118,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "spec (labels, encode settings) and tokenizer beside it. The run's files "
                     "are checked against their manifests first.")
     export.add_argument("--workdir", default=DEFAULT_WORKDIR, help="[default: %(default)s]")
-    export.add_argument("--format", dest="export_format", choices=("hf", "onnx"), required=True)
+    export.add_argument("--format", dest="export_format", choices=EXPORT_FORMATS,
+                        required=True)
     export.add_argument("--out", required=True,
                         help="hf: a directory (new, empty, or an earlier export, which is "
                              "replaced); onnx: a .onnx file (X.onnx gets X.json and "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+import typing
 from pathlib import Path
 from typing import Literal
 
@@ -13,7 +14,7 @@ from selfsup_model.errors import UserError
 
 log = logging.getLogger("selfsup.export")
 ExportFormat = Literal["hf", "onnx"]
-FORMATS: tuple[str, ...] = ("hf", "onnx")
+FORMATS: tuple[str, ...] = typing.get_args(ExportFormat)
 
 
 def run_export(workdir: str, export_format: str, out: str) -> dict:

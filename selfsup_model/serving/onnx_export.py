@@ -152,14 +152,13 @@ def classifier_onnx(model) -> Any:
         positions, axis=0))
     if blocks and blocks[0].norm == "post":
         x = g.layer_norm(x, backbone.get_layer("embeddings_norm"), "embeddings_norm")
+    if blocks and blocks[0].causal:  # every block of a causal encoder is causal: one mask
+        earlier_or_self = g.op("GreaterOrEqual",
+                               g.op("Unsqueeze", columns, g.const([1], np.int64)),
+                               g.op("Unsqueeze", columns, g.const([0], np.int64)))  # j <= i
+        visible = g.op("And", visible, earlier_or_self)
     for i, block in enumerate(blocks):
-        if block.causal:
-            causal = g.op("GreaterOrEqual", g.op("Unsqueeze", columns, g.const([1], np.int64)),
-                          g.op("Unsqueeze", columns, g.const([0], np.int64)))  # (L, L): j <= i
-            block_visible = g.op("And", visible, causal)
-        else:
-            block_visible = visible
-        x = _block(g, x, block, block_visible, f"block_{i}")
+        x = _block(g, x, block, visible, f"block_{i}")
     if blocks and blocks[0].norm == "pre":
         x = g.layer_norm(x, backbone.get_layer("final_norm"), "final_norm")
 
@@ -287,8 +286,6 @@ def export_onnx(workdir: str | Path, out: str | Path) -> list[Path]:
     from selfsup_model.serving.inference import CLASSIFIER_FILE, load_run_classifier
 
     bundle = load_run_classifier(workdir)
-    if bundle.model is None:
-        raise UserError(f"the classifier in {workdir} is already an ONNX model")
     source = {"workdir": str(Path(workdir).resolve()),
               f"finetune/{CLASSIFIER_FILE}": sha256_file(bundle.directory / CLASSIFIER_FILE)}
     return write_onnx_bundle(bundle, out, source)
