@@ -237,52 +237,61 @@ def test_validation_on_the_scored_positions_equals_the_full_logits_route(objecti
     assert logged["val/scored_tokens"] == full["scored_tokens"] > 0
 
 
-@pytest.mark.parametrize("buckets, resumed_logs_to", [(1, "the same place"), (3, "a new place")])
-def test_killed_run_resumes_to_the_same_result(tmp_path, buckets, resumed_logs_to):
-    # Dropout on: the resumed run must also replay the dropout random streams.
+def test_killed_run_resumes_to_the_same_result(tmp_path):
+    """Killed twice, each time right after a checkpoint, and finished: it ends where an
+    uninterrupted run ends. The second attempt reports to a new place (what a real resume
+    gets: each attempt of the stage has its own MLflow run), so the steps before its
+    checkpoint are replayed there; the third reports to that same place, which must then
+    hold every step once. Dropout on and length buckets: the resumed run must replay the
+    dropout random streams and the bucketed batch order too."""
+    settings = {"dropout": 0.1, "length_buckets": 3, "checkpoint_every": 10}
     ref_log = tmp_path / "reference.jsonl"
-    reference = tiny_run(str(tmp_path / "reference"), str(ref_log), dropout=0.1,
-                         length_buckets=buckets)
+    reference = tiny_run(str(tmp_path / "reference"), str(ref_log), **settings)
     ref_logged = [json.loads(line) for line in ref_log.read_text().splitlines()]
-    out, log = tmp_path / "run", tmp_path / "logged.jsonl"
-    # A new place is what a real resume gets: each attempt of the stage has its own MLflow run.
-    new_place = resumed_logs_to == "a new place"
-    log2 = tmp_path / "logged-again.jsonl" if new_place else log
+    out, first_place, place = tmp_path / "run", tmp_path / "first.jsonl", tmp_path / "again.jsonl"
     code = ("import sys; sys.path.insert(0, sys.argv[1]); "
             "from tests.pretraining.test_pretraining import tiny_run; "
-            "tiny_run(sys.argv[2], sys.argv[3], dropout=0.1, "
-            "length_buckets=int(sys.argv[4]), log_destination=sys.argv[5])")
+            "tiny_run(sys.argv[2], sys.argv[3], dropout=0.1, length_buckets=3, "
+            "checkpoint_every=10, log_destination=sys.argv[3])")
     cmd = [sys.executable, "-c", code, str(ROOT), str(out)]
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
-    first = subprocess.Popen([*cmd, str(log), str(buckets), str(log)], env=env,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    latest, deadline = out / "checkpoints" / "latest.json", time.monotonic() + 60
-    while not latest.exists() and first.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    first.send_signal(signal.SIGKILL)
-    first.wait()
-    assert first.returncode == -signal.SIGKILL, first.stderr.read().decode()[-2000:]
-    assert json.loads(latest.read_text())["step"] == 20
-    assert not (out / "pretrain_model.keras").exists()
+    latest = out / "checkpoints" / "latest.json"
 
-    done = subprocess.run([*cmd, str(log2), str(buckets), str(log2)], env=env,
-                          capture_output=True, timeout=120, check=False)
+    def killed_after_checkpoint(log: Path, past: int) -> int:
+        run = subprocess.Popen([*cmd, str(log)], env=env, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 60
+        while (run.poll() is None and time.monotonic() < deadline
+               and (not latest.exists() or json.loads(latest.read_text())["step"] <= past)):
+            time.sleep(0.01)
+        run.send_signal(signal.SIGKILL)
+        run.wait()
+        assert run.returncode == -signal.SIGKILL, run.stderr.read().decode()[-2000:]
+        assert not (out / "pretrain_model.keras").exists()
+        return json.loads(latest.read_text())["step"]
+
+    assert killed_after_checkpoint(first_place, 0) == 10
+    assert killed_after_checkpoint(place, 10) == 20  # resumed at 10, into a new place
+    done = subprocess.run([*cmd, str(place)], env=env, capture_output=True, timeout=120,
+                          check=False)  # resumed at 20, into the same place
     assert done.returncode == 0, done.stderr.decode()[-2000:]
     history = json.loads((out / "history.json").read_text())
-    steps = [h["step"] for h in history]
-    assert steps == [h["step"] for h in json.loads(reference.history_path.read_text())]
-    # Each place holds every reported step once: the new place gets the steps before the
-    # checkpoint replayed, with the values the killed attempt reported.
-    logged = [json.loads(line) for line in log2.read_text().splitlines()]
-    logged_steps = [e["step"] for e in logged]
-    assert sorted(logged_steps) == sorted(set(logged_steps)) == [e["step"] for e in ref_logged]
-    if new_place:
-        by_step = {e["step"]: e for e in logged}
-        for entry in ref_logged:
-            for key, value in entry.items():
-                if key.endswith("_per_s"):  # speeds are measured, not replayed
-                    continue
-                assert by_step[entry["step"]][key] == pytest.approx(value, abs=1e-6), key
+    assert [h["step"] for h in history] == [
+        h["step"] for h in json.loads(reference.history_path.read_text())]
+    reported = [e["step"] for e in ref_logged]
+    first = [json.loads(line)["step"] for line in first_place.read_text().splitlines()]
+    assert first == reported[:len(first)] and first[-1] >= 10  # up to its kill, each once
+    # The new place holds every reported step once: those before the second attempt's
+    # checkpoint replayed with the values the first attempt reported, none twice after the
+    # third attempt resumed there.
+    logged = [json.loads(line) for line in place.read_text().splitlines()]
+    assert sorted(e["step"] for e in logged) == reported
+    by_step = {e["step"]: e for e in logged}
+    for entry in ref_logged:
+        for key, value in entry.items():
+            if key.endswith("_per_s"):  # speeds are measured, not replayed
+                continue
+            assert by_step[entry["step"]][key] == pytest.approx(value, abs=1e-6), key
     # Same batches, optimiser state and dropout draws: it ends where the uninterrupted run did.
     assert history[-1]["val/mlm_loss"] == pytest.approx(reference.val_metrics["val/mlm_loss"],
                                                         abs=1e-6)
