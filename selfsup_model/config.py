@@ -158,7 +158,18 @@ class ModelConfig(_Section):
 
 
 class PretrainConfig(_Section):
-    objective: Literal["mlm", "clm"] = "mlm"
+    objective: Literal["mlm", "clm", "rtd"] = Field(
+        "mlm",
+        description="mlm: masked-LM (the selected positions are predicted); clm: causal-LM "
+                    "(every next token); rtd: replaced-token detection (ELECTRA): a small "
+                    "generator, sharing the token embeddings, fills the selected positions "
+                    "with samples and the encoder learns to tell, for every real token, "
+                    "whether it was replaced.")
+    generator_blocks: int = Field(
+        1, ge=1, description="rtd: encoder blocks of the generator (shaped like the model's).")
+    rtd_weight: float = Field(
+        50.0, gt=0.0, description="rtd: weight of the detection loss beside the generator's "
+                                  "masked-LM loss (ELECTRA: 50).")
     batch_size: int = Field(32, ge=1)
     steps: int = Field(2000, ge=1,
                        description="Optimiser steps (the budget), unless max_tokens is set.")

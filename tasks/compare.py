@@ -69,7 +69,10 @@ def report_context(ctx: RunContext, inputs: dict[str, Path], n_test: int) -> dic
             f"{enc.counts['splits']['train']['sequences']} windows"),
         "pretraining": f"{pre.counts['steps']} steps, {pre.counts['tokens_seen']} input tokens, "
                        f"{pre.counts['scored_tokens']} scored tokens "
-                       f"({ctx.config.pretrain.objective})",
+                       + (f"(rtd: the generator's; the discriminator scored "
+                          f"{pre.counts['detection_scored_tokens']})"
+                          if "detection_scored_tokens" in pre.counts
+                          else f"({ctx.config.pretrain.objective})"),
         "encoder started from": pre.counts.get("initialised_from", "random initialisation"),
         "fine-tuning protocol": _protocol(ctx.config.finetune),
         "final validation loss": {k: round(v, 4) for k, v in pre.metrics.items()

@@ -19,7 +19,7 @@ from selfsup_model.pretraining.continued import (
     recorded_file,
     resolve_init_source,
 )
-from selfsup_model.pretraining.loop import pretrain
+from selfsup_model.pretraining.loop import DETECTION_FILE, pretrain
 from selfsup_model.text.masking import load_masks
 from selfsup_model.text.tokenization import load_tokenizer
 from tasks.joined import invite
@@ -40,10 +40,13 @@ def compute(ctx: RunContext, out: Path, inputs: dict[str, Path]) -> StageOutput:
               "scored_tokens": int(result.scored_tokens), "empty_batches": result.empty_batches,
               "resumed_from_step": result.resumed_from_step, "train_windows": int(windows.shape[0]),
               "initialised_from": init.describe() if init else "random initialisation"}
+    if ctx.config.pretrain.objective == "rtd":  # scored_tokens above are its generator's
+        counts["detection_scored_tokens"] = int(result.detection_scored_tokens)
     metrics = {**result.val_metrics, "val/unigram_baseline_loss": result.unigram_baseline_loss,
                "train/tokens_per_s": result.tokens_per_s,
                "train/real_tokens_per_s": result.real_tokens_per_s}
-    return StageOutput(OUTPUTS, counts, metrics, log_artifacts=["history.json", "loss_curve.png"])
+    outputs = OUTPUTS + ([DETECTION_FILE] if ctx.config.pretrain.objective == "rtd" else [])
+    return StageOutput(outputs, counts, metrics, log_artifacts=["history.json", "loss_curve.png"])
 
 
 def _pretrain(ctx: RunContext, out: Path, inputs: dict[str, Path]):

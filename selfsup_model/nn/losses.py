@@ -25,6 +25,15 @@ def weighted_ce_parts(targets, logits, weights):
     return ops.sum(weights * ce), ops.sum(weights)
 
 
+def weighted_bce_parts(targets, logits, weights):
+    """(sum(w * bce), sum(w)) as float32 scalars; targets (0/1), logits, weights all (B, L)."""
+    logits = ops.cast(logits, "float32")
+    bce = ops.binary_crossentropy(ops.cast(targets, "float32"), logits, from_logits=True)
+    weights = ops.cast(weights, "float32")
+    bce = ops.where(weights != 0, bce, ops.zeros_like(bce))
+    return ops.sum(weights * bce), ops.sum(weights)
+
+
 def safe_divide(numerator, denominator):
     """numerator / denominator, and 0 where the denominator is 0 (an unscored batch)."""
     positive = denominator > 0
@@ -44,6 +53,15 @@ def token_weighted_loss(targets, logits, weights, metric: TokenWeightedLoss | No
     return safe_divide(loss_sum, weight_sum)
 
 
+def token_weighted_bce(targets, logits, weights, metric: TokenWeightedLoss | None = None):
+    """sum(w * bce) / sum(w) of per-token binary predictions (replaced-token detection's
+    loss), 0 for a batch with nothing scored; with `metric`, its two sums are added there."""
+    loss_sum, weight_sum = weighted_bce_parts(targets, logits, weights)
+    if metric is not None:
+        metric.update_state(loss_sum, weight_sum)
+    return safe_divide(loss_sum, weight_sum)
+
+
 @serializable
 class TokenWeightedLoss(keras.metrics.Metric):
     """Accumulates loss*weight and weight (and unscored batches) between resets.
@@ -53,8 +71,10 @@ class TokenWeightedLoss(keras.metrics.Metric):
     number of steps in between (Keras' own `loss` is a mean of batch means).
     """
 
-    def __init__(self, name: str = "token_loss", **kwargs):
+    def __init__(self, name: str = "token_loss", counts_prefix: str = "", **kwargs):
         super().__init__(name=name, **kwargs)
+        # A second loss of one model reports its counts under its own names.
+        self.counts_prefix = counts_prefix
         self.loss_sum = self.add_variable((), initializer="zeros", name="loss_sum")
         self.weight_sum = self.add_variable((), initializer="zeros", name="weight_sum")
         self.empty_batches = self.add_variable((), initializer="zeros", name="empty_batches")
@@ -70,9 +90,12 @@ class TokenWeightedLoss(keras.metrics.Metric):
         return {
             self.name: safe_divide(loss_sum, weight_sum),
             f"{self.name}_sum": loss_sum,
-            "scored_tokens": weight_sum,
-            "empty_batches": ops.convert_to_tensor(self.empty_batches),
+            f"{self.counts_prefix}scored_tokens": weight_sum,
+            f"{self.counts_prefix}empty_batches": ops.convert_to_tensor(self.empty_batches),
         }
+
+    def get_config(self):
+        return {**super().get_config(), "counts_prefix": self.counts_prefix}
 
     def reset_state(self):
         for variable in (self.loss_sum, self.weight_sum, self.empty_batches):

@@ -60,7 +60,7 @@ from selfsup_model.text.windows import causal_lm_batch
 
 # Independent random streams per purpose, so the pass order and the corruption
 # of equal-numbered passes/steps are not the same numbers.
-_ORDER_STREAM, _DYNAMIC_STREAM, _STATIC_STREAM, _PAIR_STREAM = 0, 1, 2, 3
+_ORDER_STREAM, _DYNAMIC_STREAM, _STATIC_STREAM, _PAIR_STREAM, _SAMPLE_STREAM = 0, 1, 2, 3, 4
 _CHUNK_ROWS = 1 << 16  # windows scanned at a time when measuring lengths (bounded memory)
 
 
@@ -190,8 +190,8 @@ class PretrainBatches(keras.utils.PyDataset):
         # One worker, no multiprocessing: the batch for an index is built on demand and
         # tf.data's prefetch overlaps it with the step; workers would copy the memmap.
         super().__init__(workers=1, use_multiprocessing=False)
-        if objective == "mlm" and (masking is None or vocab_size is None):
-            raise ValueError("the mlm objective needs a MaskingConfig and the vocab size")
+        if objective != "clm" and (masking is None or vocab_size is None):
+            raise ValueError(f"the {objective} objective needs a MaskingConfig and the vocab size")
         self.windows, self.objective, self.batch_size = windows, objective, int(batch_size)
         self.total_steps, self.start_step, self.seed = int(total_steps), int(start_step), int(seed)
         self.masking, self.vocab_size, self.static_masks = masking, vocab_size, static_masks
@@ -432,6 +432,12 @@ class PretrainBatches(keras.utils.PyDataset):
             return {"input_ids": b["input_ids"]}, b["target_ids"], b["loss_weights"]
         m = self._corrupt(ids, index, step, length)
         x = {"input_ids": m["input_ids"], "mask_positions": m["mask_positions"]}  # (B, Lb), (B, P)
+        if self.objective == "rtd":  # the generator's draws come with the step, like its masks
+            x["original_ids"] = np.ascontiguousarray(ids[:, :length])  # (B, Lb)
+            x["mask_weights"] = m["mask_weights"]  # (B, P): which positions are selected
+            x["sample_uniform"] = np.random.default_rng(
+                [self.seed, _SAMPLE_STREAM, step]).random(m["mask_positions"].shape,
+                                                          dtype=np.float32)  # (B, P)
         return x, m["mask_ids"], m["mask_weights"]  # (B, P), (B, P)
 
     def _corrupt(self, ids: np.ndarray, index: np.ndarray, step: int,

@@ -40,21 +40,32 @@ LogFn = Callable[[dict[str, float], int], None]
 StepTokensFn = Callable[[int], tuple[int, int, int]]
 
 
-def rng_state(model: keras.Model) -> dict[str, list[int]]:
-    """Dropout seed-generator states by variable path.
+def _seed_states(model: keras.Model) -> list:
+    return [v for v in model.non_trainable_variables if "seed_generator_state" in v.path]
+
+
+def rng_state(model: keras.Model) -> list[list[int]]:
+    """Dropout seed-generator states, in the model's variable order.
 
     A `.keras` file does not keep them (they are re-drawn on load), so without
-    this a resumed run would draw different dropout masks than an uninterrupted one.
-    """
-    return {v.path: [int(x) for x in keras.ops.convert_to_numpy(v).ravel()]
-            for v in model.non_trainable_variables if "seed_generator_state" in v.path}
+    this a resumed run would draw different dropout masks than an uninterrupted one. By
+    order, not by variable path: Keras numbers seed generators process-wide, so the same
+    model built after another one has other paths (and a checkpoint is only resumed by the
+    configuration that wrote it, so the order is the same)."""
+    return [[int(x) for x in keras.ops.convert_to_numpy(v).ravel()] for v in _seed_states(model)]
 
 
-def restore_rng_state(model: keras.Model, state: dict[str, list[int]]) -> None:
-    for v in model.non_trainable_variables:
-        if v.path in state:
-            v.assign(keras.ops.reshape(keras.ops.convert_to_tensor(state[v.path], dtype=v.dtype),
-                                       v.shape))
+def restore_rng_state(model: keras.Model, state: list[list[int]] | dict[str, list[int]]) -> None:
+    variables = _seed_states(model)
+    if isinstance(state, dict):  # a checkpoint written before states were kept in order
+        pairs = [(v, state[v.path]) for v in variables if v.path in state]
+    elif len(state) != len(variables):
+        raise ValueError(f"the checkpoint keeps {len(state)} dropout seed states but the model "
+                         f"has {len(variables)}")
+    else:
+        pairs = list(zip(variables, state))
+    for v, value in pairs:
+        v.assign(keras.ops.reshape(keras.ops.convert_to_tensor(value, dtype=v.dtype), v.shape))
 
 
 def read_checkpoint(directory: str | os.PathLike) -> dict[str, Any] | None:
@@ -107,7 +118,7 @@ class MetricsReporter(keras.callbacks.Callback):
                        "timed_seconds": 0.0, "timed_positions": 0, "timed_real_tokens": 0,
                        "positions": 0, "real_tokens": 0, **state.get("totals", {})}
         self.epoch, self.step = 0, 0
-        self._seen, self._contrastive_seen = (0.0, 0.0, 0.0), 0.0
+        self._seen, self._contrastive_seen, self._detection_seen = (0.0, 0.0, 0.0), 0.0, (0.0, 0.0)
         self._t_prev: float | None = None
         self._shapes_run: set[tuple[int, int]] = set()  # input shapes this process has run
 
@@ -136,6 +147,7 @@ class MetricsReporter(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         # Keras resets metric state at every epoch start: the running sums restart at 0.
         self.epoch, self._seen, self._contrastive_seen = epoch, (0.0, 0.0, 0.0), 0.0
+        self._detection_seen = (0.0, 0.0)
         self._t_prev = time.perf_counter()  # checkpoint time before this is not step time
 
     def on_train_batch_end(self, batch, logs=None):
@@ -175,6 +187,15 @@ class MetricsReporter(keras.callbacks.Callback):
                                               + total - self._contrastive_seen)
             self.window["contrastive_steps"] = self.window.get("contrastive_steps", 0) + 1
             self._contrastive_seen = total
+        if "rtd_loss_sum" in logs:  # replaced-token detection: the discriminator's own sums
+            now_rtd = (float(logs["rtd_loss_sum"]), float(logs["rtd_scored_tokens"]))
+            rtd_loss, rtd_weight = (a - b for a, b in zip(now_rtd, self._detection_seen,
+                                                          strict=True))
+            self._detection_seen = now_rtd
+            self.window["rtd_sum"] = self.window.get("rtd_sum", 0.0) + rtd_loss
+            self.window["rtd_weight"] = self.window.get("rtd_weight", 0.0) + rtd_weight
+            self.totals["rtd_scored_tokens"] = (self.totals.get("rtd_scored_tokens", 0.0)
+                                                + rtd_weight)
         self.totals["scored_tokens"] += weight
         self.totals["empty_batches"] += empty
 
@@ -185,6 +206,9 @@ class MetricsReporter(keras.callbacks.Callback):
         if w.get("contrastive_steps"):
             out["train/contrastive_loss"] = w["contrastive_sum"] / w["contrastive_steps"]
         out["train/scored_tokens"] = w["weight_sum"]
+        if w.get("rtd_weight"):
+            out["train/rtd_loss"] = w["rtd_sum"] / w["rtd_weight"]
+            out["train/rtd_scored_tokens"] = w["rtd_weight"]
         out["train/empty_batches"] = self.totals["empty_batches"]
         out["train/learning_rate"] = self.learning_rate(self.step)
         out["train/tokens_seen"] = self.totals["positions"]

@@ -30,6 +30,8 @@ from selfsup_model.nn.model import (
     build_backbone,
     build_pretrain_export_model,
     build_pretraining_model,
+    build_rtd_export_model,
+    build_rtd_model,
     with_dropout,
 )
 from selfsup_model.nn.optimizers import SelectiveAdamW, WarmupDecay
@@ -61,13 +63,18 @@ from selfsup_model.pretraining.devices import (
     xla_dropout_warning,
 )
 from selfsup_model.pretraining.evaluation import (
+    detection_corruption,
     unigram_log_probs,
     validation_metrics,
     validation_unigram_loss,
 )
 from selfsup_model.report.plots import plot_loss_curve
+from selfsup_model.text.masking import save_arrays
 
 log = logging.getLogger("selfsup.pretraining")
+
+# rtd: the stored corruption its discriminator is validated on (`detection_corruption`).
+DETECTION_FILE = "detection_val.npz"
 
 
 def build_schedule(cfg: PretrainConfig, total_steps: int) -> WarmupDecay:
@@ -85,7 +92,7 @@ class PretrainResult:
     steps: int
     tokens_seen: int  # input positions fed (sum of batch * length over steps), padding included
     real_tokens_seen: int  # of which not [PAD]
-    scored_tokens: float  # predictions that counted in the loss
+    scored_tokens: float  # predictions that counted in the loss (rtd: the generator's)
     tokens_per_s: float  # input positions/s of this process's steps (compile steps excluded)
     real_tokens_per_s: float  # real input tokens/s of the same steps
     empty_batches: int  # batches with nothing scored (loss 0, counted)
@@ -97,6 +104,7 @@ class PretrainResult:
     history_path: Path
     loss_curve_path: Path
     checkpoint_dir: Path
+    detection_scored_tokens: float = 0.0  # rtd: tokens the discriminator's loss counted
 
 
 def pretrain(train_windows, val_masks, vocab_size: int, model_cfg: ModelConfig,
@@ -176,16 +184,19 @@ def _pretrain(train_windows, val_masks, vocab_size: int, model_cfg: ModelConfig,
         if host is not model:  # replicated weights: each process reads its own replica
             host.set_weights(model.get_weights())
 
-    export_model = build_pretrain_export_model(host.backbone, host.head, obj)
+    export_model = (build_rtd_export_model(host) if obj == "rtd" else
+                    build_pretrain_export_model(host.backbone, host.head, obj))
     log_probs = unigram_log_probs(train_windows, vocab_size, obj)
     baseline = validation_unigram_loss(log_probs, obj, val_masks)
+    detection = detection_corruption(val_masks, log_probs, cfg.seed) if obj == "rtd" else None
 
     def evaluate() -> dict[str, float]:
         if not writer:
             return {}
         sync_host()
         with no_distribution() if host is not model else contextlib.nullcontext():
-            return {**validation_metrics(export_model, obj, val_masks, cfg.batch_size),
+            return {**validation_metrics(export_model, obj, val_masks, cfg.batch_size,
+                                         detection),
                     "val/unigram_baseline_loss": baseline}
 
     schedule = build_schedule(cfg, total)  # the optimiser's own (same config: same fingerprint)
@@ -196,7 +207,8 @@ def _pretrain(train_windows, val_masks, vocab_size: int, model_cfg: ModelConfig,
                            pairs=cfg.contrastive_weight > 0, doc_offsets=doc_offsets,
                            packing=cfg.packing)
     reporter = MetricsReporter(
-        objective=obj, steps_per_epoch=per_epoch, total_steps=total,
+        # rtd: train/mlm_loss is its generator's; the discriminator's is train/rtd_loss
+        objective="mlm" if obj == "rtd" else obj, steps_per_epoch=per_epoch, total_steps=total,
         step_tokens=data.step_tokens,
         log_every=cfg.log_every, eval_every=cfg.eval_every, evaluate=evaluate,
         learning_rate=lambda step: float(ops.convert_to_numpy(schedule(step - 1))),
@@ -229,6 +241,8 @@ def _pretrain(train_windows, val_masks, vocab_size: int, model_cfg: ModelConfig,
     if not writer:
         return None
     sync_host()
+    if detection is not None:
+        save_arrays(out_dir / DETECTION_FILE, detection)
     return _write_outputs(out_dir, host, export_model, reporter, total, start_step, cfg, baseline)
 
 
@@ -250,22 +264,40 @@ def _fresh_model(vocab_size: int, max_len: int, model_cfg: ModelConfig, cfg: Pre
         backbone = build_backbone(vocab_size, max_len, model_cfg, causal=causal,
                                   dtype=resolve_precision(cfg.mixed_precision), seed=cfg.seed,
                                   documents=cfg.packing)
-        return _compiled(build_pretraining_model(backbone, cfg.objective, model_cfg, cfg.seed,
-                                                 **_contrastive(cfg)),
-                         cfg, total)
+        return _compiled(_objective_model(backbone, model_cfg, cfg, cfg.seed), cfg, total)
     source = load_keras_model(init.pretrain_model)  # safe_mode=True, bytes verified by sha256
+    source_rtd = getattr(source, "objective", None) == "rtd"
+    if source_rtd != (cfg.objective == "rtd"):
+        was = "rtd" if source_rtd else source.objective
+        raise UserError(f"{init.describe()} was pretrained with the {was} objective; set "
+                        f"pretrain.objective={was} to continue it")
+    head = source.generator.head if source_rtd else source.head
     check_compatible(source.backbone, vocab_size=vocab_size, max_len=max_len, causal=causal,
                      model_cfg=model_cfg, tokenizer_sha256=tokenizer_sha256 or "",
-                     source=init, head_tied=source.head.tie_embeddings)
+                     source=init, head_tied=head.tie_embeddings)
     # The run's own precision, not the source's: a bf16 GPU encoder continued on a CPU computes
     # in float32 there, and its random_init baseline is built at the same precision.
-    model = build_pretraining_model(
+    model = _objective_model(
         with_dropout(source.backbone, model_cfg.dropout, seed=cfg.seed,
                      dtype=resolve_precision(cfg.mixed_precision), documents=cfg.packing),
-        cfg.objective, model_cfg,
-        **_contrastive(cfg))
-    model.head.set_weights(source.head.get_weights())  # the objective head continues too
+        model_cfg, cfg, None)
+    if source_rtd:  # the generator (blocks and head) and the detection head continue too
+        if source.generator_blocks != cfg.generator_blocks:
+            raise UserError(f"{init.describe()} has a generator of {source.generator_blocks} "
+                            f"blocks; set pretrain.generator_blocks={source.generator_blocks}")
+        model.generator.set_weights(source.generator.get_weights())
+        model.detector.set_weights(source.detector.get_weights())
+    else:
+        model.head.set_weights(source.head.get_weights())  # the objective head continues too
     return _compiled(model, cfg, total)
+
+
+def _objective_model(backbone, model_cfg: ModelConfig, cfg: PretrainConfig, seed: int | None):
+    """`backbone` with the objective's head (and for rtd its generator), seeded by `seed`."""
+    if cfg.objective == "rtd":
+        return build_rtd_model(backbone, model_cfg, cfg.generator_blocks, cfg.rtd_weight, seed,
+                               **_contrastive(cfg))
+    return build_pretraining_model(backbone, cfg.objective, model_cfg, seed, **_contrastive(cfg))
 
 
 def _contrastive(cfg: PretrainConfig) -> dict[str, float]:
@@ -301,4 +333,5 @@ def _write_outputs(out_dir: Path, model, export_model, reporter: MetricsReporter
         unigram_baseline_loss=baseline, encoder_path=encoder_path, pretrain_model_path=export_path,
         history_path=history_path, loss_curve_path=curve_path,
         checkpoint_dir=out_dir / "checkpoints",
+        detection_scored_tokens=totals.get("rtd_scored_tokens", 0.0),
     )

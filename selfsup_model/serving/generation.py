@@ -113,6 +113,11 @@ def frame_prompt(tokenizer: Tokenizer, prompt: str) -> np.ndarray:
 def _check_run(model: keras.Model, tokenizer: Tokenizer, objective: str) -> int:
     """The model's max positions, after checking it is an export model of `objective`."""
     got = getattr(model, "objective", None)
+    if got == "rtd":
+        raise UserError(f"{'fill-mask' if objective == 'mlm' else 'generation'} needs a "
+                        f"{'masked' if objective == 'mlm' else 'causal'}-LM run; this run's "
+                        "objective is rtd, whose encoder tells replaced tokens apart and "
+                        "predicts none")
     if got not in OBJECTIVES or not hasattr(model, "head"):
         raise UserError(f"model {model.name!r} is not a pretraining export model: load the run's "
                         "pretrain/pretrain_model.keras")

@@ -98,6 +98,10 @@ def _refusal(export_model) -> str | None:
         return ("a causal-LM run: its head (dense + GELU + LayerNorm before the vocabulary "
                 "projection) has no transformers causal-LM architecture; export a masked-LM "
                 "run (pretrain.objective=mlm)")
+    if objective == "rtd":
+        return ("a replaced-token-detection run (pretrain.objective=rtd): exporting its "
+                "discriminator as a transformers ELECTRA model is not built yet; export a "
+                "masked-LM run")
     if objective != "mlm":
         return f"model {export_model.name!r} is not a pretraining export model"
     if separates_documents(export_model.backbone):

@@ -238,24 +238,34 @@ def save_masks(path: str | os.PathLike, masks: dict[str, np.ndarray]) -> None:
     shapes = {k: np.shape(masks[k]) for k in DENSE_KEYS}
     if len(set(shapes.values())) != 1:
         raise ValueError(f"dense mask arrays must share one shape, got {shapes}")
-    # The file's sha256 fingerprints the validation masks in the manifest, so it must be
-    # a pure function of the arrays. Today's np.savez happens to leave entries at the
-    # zip epoch (older numpy releases stamped a file time); pinning the
-    # date, order, attributes and ZIP_STORED here does not depend on that detail.
+    save_arrays(path, {key: masks[key] for key in MASK_KEYS})
+
+
+def save_arrays(path: str | os.PathLike, arrays: dict[str, np.ndarray]) -> None:
+    """An .npz of `arrays` (in their order), written atomically and byte-reproducibly."""
+    # The file's sha256 fingerprints it in the manifest, so it must be a pure function of
+    # the arrays. Today's np.savez happens to leave entries at the zip epoch (older numpy
+    # releases stamped a file time); pinning the date, order, attributes and ZIP_STORED
+    # here does not depend on that detail.
     with atomic_path(path) as tmp, zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED) as zf:
-        for key in MASK_KEYS:
+        for key, array in arrays.items():
             info = zipfile.ZipInfo(f"{key}.npy", date_time=_ZIP_DATE)
             info.external_attr = 0o644 << 16
             with zf.open(info, "w", force_zip64=True) as fh:
-                np.lib.format.write_array(fh, np.ascontiguousarray(masks[key]), allow_pickle=False)
+                np.lib.format.write_array(fh, np.ascontiguousarray(array), allow_pickle=False)
+
+
+def load_arrays(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    """Every array of a `save_arrays` file, loaded eagerly, without pickle."""
+    with np.load(path, allow_pickle=False) as data:
+        return {key: data[key] for key in data.files}
 
 
 def load_masks(path: str | os.PathLike) -> dict[str, Any]:
     """All arrays of a `save_masks` file, loaded eagerly, without pickle."""
     if not os.path.isfile(path):
         raise ArtifactError(f"missing mask file {path}; rerun the masks stage")
-    with np.load(path, allow_pickle=False) as data:
-        masks = {key: data[key] for key in data.files}
+    masks = load_arrays(path)
     missing = [k for k in DENSE_KEYS if k not in masks]
     if missing:
         raise ArtifactError(f"mask file {path} lacks {missing}; rerun the masks stage")
