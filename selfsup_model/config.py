@@ -263,6 +263,10 @@ class FinetuneConfig(_Section):
     learning_rates: tuple[float, ...] = Field(
         (3e-4, 1e-3, 3e-3), description="Peak learning rates every neural method tries; the best "
                                         "on validation macro-F1 is kept.")
+    layer_decays: tuple[float, ...] = Field(
+        (1.0,), description="Layer-wise learning-rate decay every neural method tries with each "
+                            "rate (chosen on validation together): a variable d layers below "
+                            "the top (the head) learns at decay ** d times the rate. 1.0: none.")
     batch_size: int = Field(32, ge=1)
     epochs: int = Field(4, ge=1, description="Updates for this many passes over the training "
                                              "subset's documents ...")
@@ -299,6 +303,8 @@ class FinetuneConfig(_Section):
             raise ValueError("finetune.fractions must be non-empty values in (0, 1]")
         if not self.learning_rates or min(self.learning_rates) <= 0:
             raise ValueError("finetune.learning_rates must be non-empty positive values")
+        if not self.layer_decays or not all(0 < d <= 1 for d in self.layer_decays):
+            raise ValueError("finetune.layer_decays must be non-empty values in (0, 1]")
         if not self.seeds or not self.probe_c or min(self.probe_c) <= 0:
             raise ValueError("finetune.seeds and finetune.probe_c (positive) must be non-empty")
         if len(set(self.seeds)) != len(self.seeds):

@@ -124,9 +124,11 @@ def _reads(config: PipelineConfig) -> str:
 
 
 def _protocol(cfg) -> str:
-    return (f"every neural method: peak learning rates {list(cfg.learning_rates)} (chosen on "
-            f"validation), the updates of {cfg.epochs} passes over the subset's documents "
-            f"clipped to [{cfg.min_updates}, {cfg.max_updates}], {cfg.warmup_fraction:g} "
+    decays = (f" x layer-wise decays {list(cfg.layer_decays)}" if len(cfg.layer_decays) > 1
+              else "")
+    return (f"every neural method: peak learning rates {list(cfg.learning_rates)}{decays} "
+            f"(chosen on validation), the updates of {cfg.epochs} passes over the subset's "
+            f"documents clipped to [{cfg.min_updates}, {cfg.max_updates}], {cfg.warmup_fraction:g} "
             f"warmup then linear decay, early stopping after {cfg.patience} of {cfg.evals} "
             f"validation checks without gain, the grid on seed {cfg.seeds[0]}"
             + (f" and the chosen rate repeated with training seeds {list(cfg.seeds[1:])} up "
@@ -136,7 +138,8 @@ def _protocol(cfg) -> str:
 
 def searched_grids(config: PipelineConfig) -> dict[str, dict[str, tuple[float, ...]]]:
     """What each method's selection searched, by method ("*": every neural method)."""
-    return {"*": {"learning_rate": config.finetune.learning_rates},
+    return {"*": {"learning_rate": config.finetune.learning_rates,
+                  "layer_decay": config.finetune.layer_decays},
             "pretrained_probe": {"C": config.finetune.probe_c},
             "tfidf_logreg": {"C": config.baseline.tfidf_c},
             SENTENCE_METHOD: {"C": config.baseline.sentence_c}}

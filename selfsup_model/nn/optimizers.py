@@ -7,6 +7,8 @@ through `get_config`, so a checkpoint restores them exactly.
 from __future__ import annotations
 
 import math
+import re
+from collections.abc import Sequence
 
 import keras
 from keras import ops
@@ -78,6 +80,28 @@ class SelectiveAdamW(keras.optimizers.AdamW):
         return {**super().get_config(), "no_decay": list(self.no_decay)}
 
 
+_BOTTOM = re.compile(r"^(embeddings|embeddings_norm|bag_embedding)/")
+_BLOCK = re.compile(r"(?:^|/)block_(\d+)/")
+
+
+def layer_depths(paths: Sequence[str]) -> list[int]:
+    """How many layers below the top each variable sits, by its path: the embeddings (layer 0)
+    are n + 1 below for n encoder blocks, block i (layer i + 1) n - i, and everything above the
+    blocks (final norm, pooling, the classifier head) 0. Layer-wise decay scales a variable's
+    learning rate by decay ** depth."""
+    blocks = [int(m.group(1)) for p in paths if (m := _BLOCK.search(p))]
+    n = max(blocks) + 1 if blocks else 0
+    depths = []
+    for path in paths:
+        if _BOTTOM.search(path):
+            depths.append(n + 1)
+        elif m := _BLOCK.search(path):
+            depths.append(n - int(m.group(1)))
+        else:
+            depths.append(0)
+    return depths
+
+
 class RestartableAdamW(SelectiveAdamW):
     """SelectiveAdamW for many short runs through one compiled train step.
 
@@ -85,6 +109,9 @@ class RestartableAdamW(SelectiveAdamW):
     warmup and length from optimizer variables, so `restart()` can zero the moments
     and the update count and set a new schedule without retracing the step (which
     costs seconds per run on CPU, more than a short fine-tuning run's own updates).
+    So does the layer-wise decay: a variable `layer_depths` puts d layers below the top
+    is updated at decay ** d times the scheduled rate (1: every layer at the same rate;
+    weight decay keeps the scheduled rate).
     Fine-tuning only: it is never saved, so it is not registered for loading.
     """
 
@@ -94,17 +121,28 @@ class RestartableAdamW(SelectiveAdamW):
     def build(self, variables):
         super().build(variables)
         self._run = [self.add_variable((), initializer="zeros", name=name)
-                     for name in ("run_peak", "run_warmup", "run_total")]
+                     for name in ("run_peak", "run_warmup", "run_total", "run_layer_decay")]
+        self._depths = layer_depths([v.path for v in variables])
 
     def _get_current_learning_rate(self):
-        peak, warmup, total = self._run
+        peak, warmup, total, _ = self._run
         return warmup_decay(self._iterations, peak, warmup, total, "linear")
 
-    def restart(self, peak: float, warmup_steps: int, total_steps: int) -> None:
+    def update_step(self, gradient, variable, learning_rate):
+        depth = self._depths[self._get_variable_index(variable)]
+        if depth:
+            scale = ops.power(ops.cast(self._run[3], "float32"), float(depth))
+            learning_rate = learning_rate * ops.cast(scale, learning_rate.dtype)
+        super().update_step(gradient, variable, learning_rate)
+
+    def restart(self, peak: float, warmup_steps: int, total_steps: int,
+                layer_decay: float = 1.0) -> None:
         """Forget every previous update and follow a new schedule from update 0."""
         if not self.built:
             raise RuntimeError("build the optimizer (with the trainable variables) first")
+        if not 0.0 < layer_decay <= 1.0:
+            raise ValueError(f"layer_decay must be in (0, 1], got {layer_decay}")
         for variable in self.variables:
             variable.assign(ops.zeros(variable.shape, variable.dtype))
-        for variable, value in zip(self._run, (peak, warmup_steps, total_steps)):
+        for variable, value in zip(self._run, (peak, warmup_steps, total_steps, layer_decay)):
             variable.assign(float(value))

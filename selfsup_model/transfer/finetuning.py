@@ -70,19 +70,23 @@ class Stage:
     name: str  # "all", or for staged: "head", "top", "all"
     updates: int
     learning_rate: float
+    layer_decay: float = 1.0  # the rate of a variable d layers below the top: decay ** d times
 
 
-def plan_stages(mode: str, updates: int, learning_rate: float, cfg: FinetuneConfig) -> list[Stage]:
+def plan_stages(mode: str, updates: int, learning_rate: float, cfg: FinetuneConfig,
+                layer_decay: float = 1.0) -> list[Stage]:
     """One stage for full and scratch; head, top blocks, everything (at a lower rate) for staged,
     each a third of the same budget."""
     if mode != "staged":
-        return [Stage("all", updates, learning_rate)]
+        return [Stage("all", updates, learning_rate, layer_decay)]
     if updates < 3:
         raise UserError(f"staged fine-tuning needs at least 3 updates, one per stage, but the "
                         f"budget is {updates}; raise finetune.min_updates")
     third = max(1, updates // 3)
-    return [Stage("head", third, learning_rate), Stage("top", third, learning_rate),
-            Stage("all", max(1, updates - 2 * third), learning_rate * cfg.staged_final_lr_scale)]
+    return [Stage("head", third, learning_rate, layer_decay),
+            Stage("top", third, learning_rate, layer_decay),
+            Stage("all", max(1, updates - 2 * third), learning_rate * cfg.staged_final_lr_scale,
+                  layer_decay)]
 
 
 def check_points(stage_updates: Sequence[int], evals: int) -> list[list[int]]:
@@ -116,6 +120,7 @@ class ClassifierResult:
     model: keras.Model  # at its best validation check
     mode: str
     learning_rate: float
+    layer_decay: float
     val_macro_f1: float  # of the returned model
     updates_run: int  # optimizer updates actually applied (early stopping may cut the budget)
     best_update: int  # the update count at the kept weights
@@ -137,7 +142,8 @@ def train_classifier(backbone_factory: Callable[[], keras.Model],
                      eval_sets: Mapping[str, np.ndarray] | None = None,
                      trainers: StageTrainers | None = None,
                      budget_documents: int | None = None,
-                     val_owner: np.ndarray | None = None) -> ClassifierResult:
+                     val_owner: np.ndarray | None = None,
+                     layer_decay: float = 1.0) -> ClassifierResult:
     """Train one classifier in `mode` at one peak learning rate; select on validation only.
 
     `backbone_factory()` returns a fresh backbone per call (full fine-tuning
@@ -150,6 +156,8 @@ def train_classifier(backbone_factory: Callable[[], keras.Model],
     per row). `val_owner` (one per validation row, non-decreasing): the validation document
     of each row, when a document has several; its labels are then one per document, and a
     document's prediction is the class of highest mean probability over its rows.
+    `layer_decay`: a variable d layers below the top learns at layer_decay ** d times the rate
+    (`optimizers.layer_depths`; 1.0: every layer alike).
     """
     if mode not in MODES:
         raise UserError(f"unknown fine-tuning mode {mode!r}; choose one of {', '.join(MODES)}")
@@ -172,7 +180,7 @@ def train_classifier(backbone_factory: Callable[[], keras.Model],
     run = ClassifierRun(model, backbone, (train_ids, train_y), (val_ids, val_y), cfg,
                         np.random.default_rng(seed), trainers=trainers, val_owner=val_owner)
     start = time.perf_counter()
-    stages = plan_stages(mode, budget, learning_rate, cfg)
+    stages = plan_stages(mode, budget, learning_rate, cfg, layer_decay)
     for stage, checks in zip(stages, check_points([s.updates for s in stages], cfg.evals)):
         run.train_stage(stage, checks)
     run.restore_best()
@@ -182,7 +190,7 @@ def train_classifier(backbone_factory: Callable[[], keras.Model],
         return run.predict(encoder_inputs(backbone, ids), owner)
 
     return ClassifierResult(
-        model=model, mode=mode, learning_rate=learning_rate,
+        model=model, mode=mode, learning_rate=learning_rate, layer_decay=layer_decay,
         val_macro_f1=macro_f1(val_y, run.best_val_pred), updates_run=run.updates,
         best_update=run.best_update, train_time_s=time.perf_counter() - start,
         history=run.history, stages=run.stages, val_predictions=run.best_val_pred,
@@ -311,7 +319,7 @@ class ClassifierRun:
             x_train, x_val = self.train_ids, self.val_ids
             copy_state(self.model, trainer)
         warmup = round(self.cfg.warmup_fraction * stage.updates)
-        trainer.optimizer.restart(stage.learning_rate, warmup, stage.updates)
+        trainer.optimizer.restart(stage.learning_rate, warmup, stage.updates, stage.layer_decay)
         # (updates, B) indices into the training subset; with several training processes each
         # feeds its share of every batch (`devices.local_share`).
         order = local_share(self._batches(stage.updates), axis=1)
@@ -342,7 +350,8 @@ class ClassifierRun:
         else:  # validation says this stage did not help: continue from the weights before it
             self.restore_best()
         self.stages.append({"stage": stage.name, "updates": stage.updates,
-                            "learning_rate": stage.learning_rate, "val_macro_f1": stage_best,
+                            "learning_rate": stage.learning_rate,
+                            "layer_decay": stage.layer_decay, "val_macro_f1": stage_best,
                             "kept": kept})
         log.info("stage %s: best val macro-F1 %.4f (%s)", stage.name, stage_best,
                  "kept" if kept else "discarded")

@@ -233,15 +233,18 @@ def _train_neural_methods(data: LabelledData, methods: Sequence[NeuralMethod],
             # The grid on the first seed; its chosen rate repeated over the other seeds, so the
             # spread over seeds is that of one setting, at one run per extra seed.
             first, *repeats = cfg.seeds_at(fraction)
-            schedule = [(first, lr) for lr in cfg.learning_rates] + [(s, None) for s in repeats]
+            schedule = ([(first, (lr, decay)) for decay in cfg.layer_decays
+                         for lr in cfg.learning_rates] + [(s, None) for s in repeats])
             best = None
-            for seed, lr in schedule:  # lr None: the rate the first seed's grid chose
+            for seed, point in schedule:  # None: the point the first seed's grid chose
+                lr, decay = point or (best.learning_rate, best.layer_decay)
                 res = train_classifier(method.factory, (windows, y_windows),
-                                       val, len(data.classes), method.mode, cfg, seed,
-                                       lr if lr is not None else best.learning_rate,
+                                       val, len(data.classes), method.mode, cfg, seed, lr,
                                        trainers=trainers[method.name],
-                                       budget_documents=len(subset), val_owner=val_owner)
+                                       budget_documents=len(subset), val_owner=val_owner,
+                                       layer_decay=decay)
                 grid.append({"seed": seed, "learning_rate": res.learning_rate,
+                             "layer_decay": res.layer_decay,
                              "val_macro_f1": res.val_macro_f1, "updates_run": res.updates_run})
                 if seed != first:
                     per_seed.append((seed, res))
@@ -258,7 +261,9 @@ def _train_neural_methods(data: LabelledData, methods: Sequence[NeuralMethod],
             out.add(method.name, fraction, data, predicted, {
                 "n_train": len(subset), "n_train_windows": len(windows),
                 "val_macro_f1": chosen.val_macro_f1,
-                "selected": {"learning_rate": chosen.learning_rate, "seed": seed},
+                "selected": {"learning_rate": chosen.learning_rate,
+                             **({"layer_decay": chosen.layer_decay}
+                                if len(cfg.layer_decays) > 1 else {}), "seed": seed},
                 "budget_updates": update_budget(len(subset), cfg),
                 "updates_run": chosen.updates_run,
                 "best_update": chosen.best_update, "grid": grid,

@@ -24,6 +24,7 @@ from selfsup_model.transfer.finetuning import (
     ClassifierRun,
     Stage,
     StageTrainers,
+    _backbone_of,
     check_points,
     plan_stages,
     train_classifier,
@@ -156,6 +157,23 @@ def test_staged_mode_records_its_stages_and_keeps_only_helpful_ones(pretrained):
     assert result.val_macro_f1 == best
 
 
+def test_layer_wise_decay_slows_the_layers_below_the_head(pretrained):
+    # decay 1e-3: the embeddings (two layers below the top of a one-block encoder) learn at
+    # 1e-6 times the rate, so they stay where pretraining left them while the head trains.
+    docs, val = make_docs(32, 1), make_docs(16, 2)
+    start = pretrained().get_layer("embeddings").get_weights()
+    runs = {decay: train_classifier(pretrained, docs, val, 2, "full", CFG, seed=0,
+                                    learning_rate=3e-3, layer_decay=decay)
+            for decay in (1.0, 1e-3)}
+    for decay, result in runs.items():
+        assert result.layer_decay == decay and result.stages[0]["layer_decay"] == decay
+        moved = [np.abs(a - b).max() for a, b in zip(
+            _backbone_of(result.model).get_layer("embeddings").get_weights(), start)]
+        assert (max(moved) < 1e-5) == (decay < 1), (decay, moved)
+    head = [r.model.get_layer("head_logits").get_weights()[0] for r in runs.values()]
+    assert not np.allclose(head[1], 0) and not np.array_equal(head[0], head[1])
+
+
 def test_frozen_features_are_computed_in_inference_mode():
     keras.utils.set_random_seed(0)
     encoder = backbone(dropout=0.5)  # dropout would change every call in training mode
@@ -202,15 +220,17 @@ def _labelled_data() -> LabelledData:
     return LabelledData(["a", "b"], splits, {}, MAX_LEN)
 
 
-def test_other_seeds_repeat_the_rate_the_first_seeds_grid_chose(monkeypatch):
-    # Validation favours the middle rate, and among seeds the last: the repeats must run that
-    # rate (not the grid's last one), and the reported seed is the one best on validation.
+def test_other_seeds_repeat_the_point_the_first_seeds_grid_chose(monkeypatch):
+    # Validation favours the middle rate with layer-wise decay 0.8, and among seeds the last:
+    # the repeats must run that point (not the grid's last one), and the reported seed is the
+    # one best on validation.
     val_f1 = {1e-4: 0.2, 1e-3: 0.5, 1e-2: 0.3}
     calls = []
 
     class Fake:
-        def __init__(self, seed, lr):
-            self.val_macro_f1, self.learning_rate = val_f1[lr] + 0.01 * seed, lr
+        def __init__(self, seed, lr, decay):
+            self.val_macro_f1 = val_f1[lr] + 0.05 * (decay == 0.8 and lr == 1e-3) + 0.01 * seed
+            self.learning_rate, self.layer_decay = lr, decay
             self.updates_run = self.best_update = 1
             self.stages, self.model = [], None
 
@@ -218,17 +238,21 @@ def test_other_seeds_repeat_the_rate_the_first_seeds_grid_chose(monkeypatch):
             return np.zeros(len(ids), np.int64)
 
     def fake_train(factory, train, val, num_classes, mode, cfg, seed, learning_rate, trainers,
-                   budget_documents, val_owner):
-        calls.append((seed, learning_rate))
-        return Fake(seed, learning_rate)
+                   budget_documents, val_owner, layer_decay):
+        calls.append((seed, learning_rate, layer_decay))
+        return Fake(seed, learning_rate, layer_decay)
 
     monkeypatch.setattr("selfsup_model.transfer.protocol.train_classifier", fake_train)
-    cfg = FinetuneConfig(fractions=(1.0,), learning_rates=(1e-4, 1e-3, 1e-2), seeds=(5, 0, 7))
+    cfg = FinetuneConfig(fractions=(1.0,), learning_rates=(1e-4, 1e-3, 1e-2), seeds=(5, 0, 7),
+                         layer_decays=(1.0, 0.8))
     results, _ = train_neural_methods(_labelled_data(), [NeuralMethod("m", "full", object)], cfg)
-    assert calls == [(5, 1e-4), (5, 1e-3), (5, 1e-2), (0, 1e-3), (7, 1e-3)]
+    assert calls == [(5, 1e-4, 1.0), (5, 1e-3, 1.0), (5, 1e-2, 1.0),
+                     (5, 1e-4, 0.8), (5, 1e-3, 0.8), (5, 1e-2, 0.8), (0, 1e-3, 0.8),
+                     (7, 1e-3, 0.8)]
     (summary,) = results.summaries
-    assert summary["selected"] == {"learning_rate": 1e-3, "seed": 7}
-    assert [(g["seed"], g["learning_rate"]) for g in summary["grid"]] == calls
+    assert summary["selected"] == {"learning_rate": 1e-3, "layer_decay": 0.8, "seed": 7}
+    assert [(g["seed"], g["learning_rate"], g["layer_decay"])
+            for g in summary["grid"]] == calls
 
 
 def test_every_neural_method_gets_the_same_grid_budget_and_subsets(monkeypatch):
@@ -237,6 +261,7 @@ def test_every_neural_method_gets_the_same_grid_budget_and_subsets(monkeypatch):
     class Fake:
         def __init__(self, lr):
             self.val_macro_f1, self.learning_rate = lr, lr  # the larger rate "wins" validation
+            self.layer_decay = 1.0
             self.updates_run = self.best_update = 1
             self.stages, self.model = [], None
 
@@ -245,8 +270,8 @@ def test_every_neural_method_gets_the_same_grid_budget_and_subsets(monkeypatch):
             return np.zeros(len(ids), np.int64)
 
     def fake_train(factory, train, val, num_classes, mode, cfg, seed, learning_rate, trainers,
-                   budget_documents, val_owner):
-        assert budget_documents == len(train[1])  # one window per document here
+                   budget_documents, val_owner, layer_decay):
+        assert budget_documents == len(train[1]) and layer_decay == 1.0  # one window per document here
         calls.append((factory(), mode, len(train[1]), tuple(train[1]), cfg, seed, learning_rate))
         return Fake(learning_rate)
 
