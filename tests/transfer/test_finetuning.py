@@ -271,7 +271,8 @@ def test_every_neural_method_gets_the_same_grid_budget_and_subsets(monkeypatch):
 
     def fake_train(factory, train, val, num_classes, mode, cfg, seed, learning_rate, trainers,
                    budget_documents, val_owner, layer_decay):
-        assert budget_documents == len(train[1]) and layer_decay == 1.0  # one window per document here
+        assert layer_decay == 1.0
+        assert budget_documents == len(train[1])  # one window per document here
         calls.append((factory(), mode, len(train[1]), tuple(train[1]), cfg, seed, learning_rate))
         return Fake(learning_rate)
 
