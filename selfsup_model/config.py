@@ -320,7 +320,14 @@ class FinetuneConfig(_Section):
 
 class BaselineConfig(_Section):
     tfidf_c: tuple[float, ...] = (0.1, 1.0, 10.0, 100.0)
-    tfidf_ngram_max: tuple[int, ...] = (1, 2)
+    tfidf_ngram_max: tuple[int, ...] = Field(
+        (1, 2), description="Word n-gram orders 1..n tried (word features).")
+    tfidf_sublinear: tuple[bool, ...] = Field(
+        (True,), description="Term frequency as 1 + log(tf) (true) or raw (false); each tried.")
+    tfidf_features: tuple[Literal["word", "char", "word+char"], ...] = Field(
+        ("word",), description="TF-IDF features tried: word n-grams, character 2-5-grams "
+                               "within word boundaries (identifiers read in pieces), or both "
+                               "side by side.")
     random_init: bool = True
     majority: bool = True
     bag_of_embeddings: bool = True

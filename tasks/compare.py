@@ -141,7 +141,8 @@ def searched_grids(config: PipelineConfig) -> dict[str, dict[str, tuple[float, .
     return {"*": {"learning_rate": config.finetune.learning_rates,
                   "layer_decay": config.finetune.layer_decays},
             "pretrained_probe": {"C": config.finetune.probe_c},
-            "tfidf_logreg": {"C": config.baseline.tfidf_c},
+            "tfidf_logreg": {"C": config.baseline.tfidf_c,
+                             "ngram_max": config.baseline.tfidf_ngram_max},
             SENTENCE_METHOD: {"C": config.baseline.sentence_c}}
 
 

@@ -3,8 +3,8 @@
 - `logreg_on_features`: logistic regression on fixed feature matrices (dense or
   sparse), C chosen by validation macro-F1. Used as is for pretrained sentence
   embeddings (and any other frozen features), and by the TF-IDF baseline.
-- `tfidf_logreg`: TF-IDF word n-grams + `logreg_on_features`, with the n-gram
-  range tuned on validation too.
+- `tfidf_logreg`: TF-IDF (word n-grams, character n-grams or both) + `logreg_on_features`,
+  with the vectoriser's settings tuned on validation too.
 - `majority_class`: the most frequent training label.
 
 None of them sees test labels: validation labels tune, and the named eval sets
@@ -101,6 +101,29 @@ def logreg_on_features(
     )
 
 
+FEATURES = ("word", "char", "word+char")
+CHAR_NGRAMS = (2, 5)  # character n-grams within word boundaries, for "char" features
+
+
+def tfidf_grid(cfg: BaselineConfig) -> list[dict[str, Any]]:
+    """The vectoriser settings the TF-IDF baseline tries, simplest first: features in the
+    order of `FEATURES`, then fewer word n-gram orders, then sublinear tf before raw. Character
+    features alone have no word n-gram order (`ngram_max` is left out)."""
+    if (not cfg.tfidf_c or not cfg.tfidf_ngram_max or not cfg.tfidf_sublinear
+            or not cfg.tfidf_features or min(cfg.tfidf_ngram_max) < 1 or min(cfg.tfidf_c) <= 0):
+        raise UserError("baseline.tfidf_c must be positive values, baseline.tfidf_ngram_max "
+                        "integers >= 1, and baseline.tfidf_sublinear and tfidf_features "
+                        "non-empty")
+    points = []
+    for features in (f for f in FEATURES if f in cfg.tfidf_features):
+        orders = sorted(set(cfg.tfidf_ngram_max)) if "word" in features else [None]
+        for ngram_max in orders:
+            for sublinear in sorted(set(cfg.tfidf_sublinear), reverse=True):
+                points.append({"features": features, "sublinear_tf": bool(sublinear),
+                               **({"ngram_max": int(ngram_max)} if ngram_max else {})})
+    return points
+
+
 def tfidf_logreg(
     train_texts: Sequence[str],
     train_y: Sequence,
@@ -109,45 +132,75 @@ def tfidf_logreg(
     eval_texts: Mapping[str, Sequence[str]],
     cfg: BaselineConfig,
 ) -> LogregResult:
-    """Grid over word n-gram range (1..n) x C; keep the best validation macro-F1.
+    """Grid over the vectoriser's settings (`tfidf_grid`: word and/or character features, word
+    n-gram range 1..n, sublinear tf) x C; keep the best validation macro-F1.
 
-    Ties go to the earlier grid point: fewer n-gram orders first, then smaller
-    C (stronger regularisation) — the simpler model. The vectoriser is fitted
-    on the training texts only. `params` is {"C": float, "ngram_max": int}.
+    Ties go to the earlier grid point: the simpler vectoriser first, then smaller C (stronger
+    regularisation) — the simpler model. The vectoriser is fitted on the training texts only.
+    `params` is {"C", "features", "sublinear_tf"} and, with word features, "ngram_max".
     """
     train_y, val_y = np.asarray(train_y), np.asarray(val_y)
     _check_labelled(_TFIDF, len(train_texts), train_y, len(val_texts), val_y)
-    if (not cfg.tfidf_c or not cfg.tfidf_ngram_max
-            or min(cfg.tfidf_ngram_max) < 1 or min(cfg.tfidf_c) <= 0):
-        raise UserError(
-            "baseline.tfidf_c must be positive values and "
-            "baseline.tfidf_ngram_max integers >= 1"
-        )
+    points = tfidf_grid(cfg)
     start = time.perf_counter()
-    best: tuple[LogregResult, TfidfVectorizer, int] | None = None
+    best: tuple[LogregResult, TfidfFeatures, dict] | None = None
     grid = []
-    for ngram_max in sorted(set(cfg.tfidf_ngram_max)):
-        vectorizer = _fit_vectorizer(train_texts, ngram_max)
+    for point in points:
+        vectorizer = TfidfFeatures(**point).fit(train_texts)
         x_train, x_val = vectorizer.transform(train_texts), vectorizer.transform(val_texts)
         res = logreg_on_features(x_train, train_y, x_val, val_y, {}, cfg.tfidf_c, what=_TFIDF)
-        grid += [{"C": g["C"], "ngram_max": int(ngram_max), "val_macro_f1": g["val_macro_f1"]}
-                 for g in res.grid]
-        # strict: a tie keeps fewer n-gram orders (within one, logreg_on_features kept smaller C)
+        grid += [{"C": g["C"], **point, "val_macro_f1": g["val_macro_f1"]} for g in res.grid]
+        # strict: a tie keeps the earlier, simpler point (within one, the smaller C)
         if best is None or res.val_macro_f1 > best[0].val_macro_f1:
-            best = (res, vectorizer, int(ngram_max))
-    res, vectorizer, ngram_max = best
+            best = (res, vectorizer, point)
+    res, vectorizer, point = best
     fit_time = time.perf_counter() - start
     predictions = {
-        name: _predict(res.model, _transform(vectorizer, texts))
+        name: _predict(res.model, vectorizer.transform(texts))
         for name, texts in eval_texts.items()
     }
     return dataclasses.replace(
         res,
-        params={**res.params, "ngram_max": ngram_max},
+        params={**res.params, **point},
         grid=grid,
         predictions=predictions,
         fit_time_s=fit_time,
     )
+
+
+class TfidfFeatures:
+    """TF-IDF rows of word n-grams (1..ngram_max), character 2-5-grams within word boundaries,
+    or both side by side (each block L2-normalised by its own vectoriser)."""
+
+    def __init__(self, features: str = "word", sublinear_tf: bool = True,
+                 ngram_max: int | None = None):
+        if features not in FEATURES:
+            raise UserError(f"baseline.tfidf_features: {features!r} is not one of {FEATURES}")
+        self.parts = []
+        if "word" in features:
+            self.parts.append(TfidfVectorizer(ngram_range=(1, ngram_max or 1),
+                                              sublinear_tf=sublinear_tf))
+        if "char" in features:
+            self.parts.append(TfidfVectorizer(analyzer="char_wb", ngram_range=CHAR_NGRAMS,
+                                              sublinear_tf=sublinear_tf))
+
+    def fit(self, texts: Sequence[str]) -> TfidfFeatures:
+        for part in self.parts:
+            try:
+                part.fit(texts)
+            except ValueError as exc:  # e.g. "empty vocabulary" when no text has a word token
+                raise UserError(f"{_TFIDF} cannot build a vocabulary from the training texts: "
+                                f"{exc}") from None
+        return self
+
+    def transform(self, texts: Sequence[str]):
+        """(n, features) sparse rows; sklearn refuses zero texts, so that (0, features) case
+        is built here."""
+        width = sum(len(part.vocabulary_) for part in self.parts)
+        if len(texts) == 0:
+            return sparse.csr_matrix((0, width))
+        blocks = [part.transform(texts) for part in self.parts]
+        return blocks[0] if len(blocks) == 1 else sparse.hstack(blocks, format="csr")
 
 
 def majority_class(train_y: Sequence, n: int) -> np.ndarray:
@@ -162,23 +215,6 @@ def majority_class(train_y: Sequence, n: int) -> np.ndarray:
 
 
 # ---------------------------------------------------------------- internals
-
-
-def _fit_vectorizer(texts: Sequence[str], ngram_max: int) -> TfidfVectorizer:
-    vectorizer = TfidfVectorizer(ngram_range=(1, ngram_max), sublinear_tf=True)
-    try:
-        return vectorizer.fit(texts)
-    except ValueError as exc:  # e.g. "empty vocabulary" when no text has a word token
-        raise UserError(
-            f"{_TFIDF} cannot build a vocabulary from the training texts: {exc}"
-        ) from None
-
-
-def _transform(vectorizer: TfidfVectorizer, texts: Sequence[str]):
-    """TF-IDF rows (n, vocab); sklearn refuses zero texts, so that (0, vocab) case is built here."""
-    if len(texts) == 0:
-        return np.zeros((0, len(vectorizer.vocabulary_)))
-    return vectorizer.transform(texts)
 
 
 def _predict(clf: LogisticRegression, x, owner: np.ndarray | None = None) -> np.ndarray:

@@ -161,12 +161,15 @@ def prediction_rows(method: str, fraction: float, split: LabelledSplit, predicte
 
 
 def summary_metrics(summaries: Sequence[Mapping[str, Any]]) -> dict[str, float]:
-    """Validation macro-F1 and the selected settings of every (method, fraction), for MLflow."""
+    """Validation macro-F1 and the selected settings of every (method, fraction), for MLflow:
+    the numeric ones (a true/false setting as 1/0); a named choice, such as TF-IDF's features,
+    is in results.json and the report."""
     out = {}
     for s in summaries:
         out[result_key(s["method"], s["fraction"], "val_macro_f1")] = s["val_macro_f1"]
         for name, value in {**s.get("params", {}), **s.get("selected", {})}.items():
-            out[result_key(s["method"], s["fraction"], f"selected_{name}")] = float(value)
+            if isinstance(value, (bool, int, float)):
+                out[result_key(s["method"], s["fraction"], f"selected_{name}")] = float(value)
     return out
 
 

@@ -6,7 +6,13 @@ from sklearn.linear_model import LogisticRegression
 from selfsup_model.config import BaselineConfig
 from selfsup_model.errors import UserError
 from selfsup_model.report.metrics import accuracy, macro_f1
-from selfsup_model.transfer.baselines import logreg_on_features, majority_class, tfidf_logreg
+from selfsup_model.transfer.baselines import (
+    TfidfFeatures,
+    logreg_on_features,
+    majority_class,
+    tfidf_grid,
+    tfidf_logreg,
+)
 
 FILLER = ["alpha", "beta", "gamma", "delta", "omega", "sigma"]
 
@@ -59,7 +65,8 @@ def test_tfidf_ties_go_to_the_simpler_model():
     train_y = ["sweet", "sweet", "salty", "salty"]
     val_x, val_y = ["apple cake", "salt pork"], ["sweet", "salty"]
     result = tfidf_logreg(train_x, train_y, val_x, val_y, {}, CFG)
-    assert result.params == {"C": 0.1, "ngram_max": 1}  # every grid point is perfect here
+    # every grid point is perfect here
+    assert result.params == {"C": 0.1, "ngram_max": 1, "features": "word", "sublinear_tf": True}
 
 
 def test_tfidf_clear_errors():
@@ -69,6 +76,49 @@ def test_tfidf_clear_errors():
         tfidf_logreg([], [], ["aa"], ["x"], {}, CFG)
     with pytest.raises(UserError, match="vocabulary"):
         tfidf_logreg(["!", "?"], ["x", "y"], ["aa"], ["x"], {}, CFG)
+
+
+def suffix_corpus(n, seed):
+    """Each document is words never seen elsewhere, whose endings tell the class: a word
+    vocabulary learns nothing that carries to new documents, character n-grams do."""
+    rng = np.random.default_rng(seed)
+    letters = np.array(list("abcdefghilmnoprstu"))
+    texts, labels = [], []
+    for i in range(n):
+        label = "q" if i % 2 else "w"
+        ending = "qzv" if label == "q" else "wjk"
+        words = ["".join(rng.choice(letters, 6)) + ending for _ in range(3)]
+        texts.append(" ".join(words))
+        labels.append(label)
+    return texts, np.array(labels)
+
+
+def test_the_grid_runs_simplest_first_and_character_features_win_where_they_read_better():
+    cfg = BaselineConfig(tfidf_c=(1.0, 10.0), tfidf_ngram_max=(1, 2),
+                         tfidf_sublinear=(False, True), tfidf_features=("char", "word"))
+    assert tfidf_grid(cfg) == [
+        {"features": "word", "sublinear_tf": True, "ngram_max": 1},
+        {"features": "word", "sublinear_tf": False, "ngram_max": 1},
+        {"features": "word", "sublinear_tf": True, "ngram_max": 2},
+        {"features": "word", "sublinear_tf": False, "ngram_max": 2},
+        {"features": "char", "sublinear_tf": True},
+        {"features": "char", "sublinear_tf": False}]
+    train_x, train_y = suffix_corpus(40, 0)
+    val_x, val_y = suffix_corpus(20, 1)
+    result = tfidf_logreg(train_x, train_y, val_x, val_y, {}, cfg)
+    assert result.params["features"] == "char" and result.val_macro_f1 == pytest.approx(1.0)
+    assert max(g["val_macro_f1"] for g in result.grid if g["features"] == "word") < 0.8
+    assert len(result.grid) == 6 * 2
+
+
+def test_word_and_character_features_sit_side_by_side():
+    texts = ["alpha betaqzv", "gammawjk delta"]
+    both = TfidfFeatures("word+char", ngram_max=1).fit(texts)
+    word, char = TfidfFeatures("word", ngram_max=1).fit(texts), TfidfFeatures("char").fit(texts)
+    rows = both.transform(texts).toarray()
+    np.testing.assert_allclose(rows, np.hstack([word.transform(texts).toarray(),
+                                                char.transform(texts).toarray()]))
+    assert both.transform([]).shape == (0, rows.shape[1])
 
 
 def test_majority_class():
@@ -87,8 +137,9 @@ def test_tfidf_is_logreg_on_features_at_the_chosen_ngram_range():
     vec = TfidfVectorizer(ngram_range=(1, a.params["ngram_max"]), sublinear_tf=True).fit(train_x)
     b = logreg_on_features(vec.transform(train_x), train_y, vec.transform(val_x), val_y,
                            {"test": vec.transform(test_x)}, CFG.tfidf_c)
-    assert a.params == {**b.params, "ngram_max": 2} and a.val_macro_f1 == b.val_macro_f1
-    assert [g for g in a.grid if g["ngram_max"] == 2] == [{**g, "ngram_max": 2} for g in b.grid]
+    word2 = {"features": "word", "sublinear_tf": True, "ngram_max": 2}
+    assert a.params == {**b.params, **word2} and a.val_macro_f1 == b.val_macro_f1
+    assert [g for g in a.grid if g["ngram_max"] == 2] == [{**g, **word2} for g in b.grid]
     np.testing.assert_array_equal(a.val_predictions, b.val_predictions)
     np.testing.assert_array_equal(a.predictions["test"], b.predictions["test"])
     assert a.predictions["none"].shape == (0,) and a.predictions["none"].dtype == train_y.dtype
@@ -166,3 +217,14 @@ def test_logreg_predicts_a_document_from_the_mean_probability_of_its_rows():
     assert res.model.predict(val_x).tolist() == ["a", "b", "b", "b"]
     assert res.predictions["test"].tolist() == ["a", "b"]  # ... the mean says a
     assert res.val_predictions.tolist() == ["a", "b"] and res.val_macro_f1 == 1.0
+
+
+def test_mlflow_gets_the_numeric_selections_and_the_report_the_named_ones():
+    from selfsup_model.transfer.protocol import summary_metrics
+
+    summary = {"method": "tfidf_logreg", "fraction": 0.05, "val_macro_f1": 0.5,
+               "params": {"C": 10.0, "ngram_max": 2, "features": "char", "sublinear_tf": False}}
+    key = "tfidf_logreg/fraction_0.05/"
+    assert summary_metrics([summary]) == {f"{key}val_macro_f1": 0.5, f"{key}selected_C": 10.0,
+                                          f"{key}selected_ngram_max": 2.0,
+                                          f"{key}selected_sublinear_tf": 0.0}
