@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from selfsup_model.config import PretrainConfig
+from selfsup_model.errors import UserError
 from selfsup_model.nn.losses import numpy_weighted_ce_sum, token_weighted_bce
 from selfsup_model.nn.model import (
     ReplacedTokenExportModel,
@@ -21,6 +22,7 @@ from selfsup_model.nn.model import (
 )
 from selfsup_model.pretraining import callbacks
 from selfsup_model.pretraining.batches import PretrainBatches
+from selfsup_model.pretraining.continued import InitSource
 from selfsup_model.pretraining.evaluation import (
     detection_corruption,
     numpy_weighted_bce_sum,
@@ -194,3 +196,32 @@ def test_a_stopped_rtd_run_resumes_from_its_checkpoint_to_the_same_result(tmp_pa
     for key, value in ref_logged[-1].items():
         if not key.endswith("_per_s"):  # speeds are measured, not replayed
             assert logged[-1][key] == pytest.approx(value, abs=1e-6), key
+
+
+def _source(out) -> InitSource:
+    return InitSource(workdir=out, tokenizer=out / "tokenizer.json",
+                      pretrain_model=out / "pretrain_model.keras", tokenizer_sha256="tok",
+                      pretrain_model_sha256="model", encoder_sha256="encoder")
+
+
+def test_continuing_an_rtd_run_starts_from_its_generator_detector_and_encoder(tmp_path, rtd_run):
+    out, reference, val, _ = rtd_run
+    # A rate of 1e-12: the continued weights stay the source's, so its validation numbers
+    # (the generator's masked-LM loss, the encoder and detector's detection loss) are the
+    # source's final ones; fresh generator or detection weights would score far off.
+    cfg = _config(steps=2, learning_rate=1e-12, warmup_steps=0, eval_every=2, log_every=2)
+    continued = pretrain(topic_windows(512, 0), val, V, MODEL.model_copy(update={"dropout": 0.1}),
+                         cfg, MASKS, tmp_path, progress=False, init=_source(out),
+                         tokenizer_sha256="tok")
+    for key in ("val/mlm_loss", "val/rtd_loss", "val/rtd_accuracy"):
+        assert continued.val_metrics[key] == pytest.approx(reference.val_metrics[key],
+                                                           abs=1e-4), key
+
+
+def test_an_rtd_run_is_only_continued_by_rtd(tmp_path, rtd_run):
+    out, _, val, _ = rtd_run
+    cfg = _config(objective="mlm", steps=2)
+    with pytest.raises(UserError, match="pretrained with the rtd objective; set "
+                                        "pretrain.objective=rtd to continue it"):
+        pretrain(topic_windows(64, 0), val, V, MODEL, cfg, MASKS, tmp_path, progress=False,
+                 init=_source(out), tokenizer_sha256="tok")
