@@ -14,6 +14,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -52,6 +53,19 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     finally:
         if tmp_path.exists():
             tmp_path.unlink()
+
+
+# What `atomic_path` names its temporary files: "." + the file's name + mkstemp's 8 characters.
+_TEMPORARY = re.compile(r"^\..+\.[A-Za-z0-9_]{8}\.tmp$")
+
+
+def remove_temporaries(directory: str | os.PathLike) -> list[Path]:
+    """Delete the temporary files `atomic_path` leaves when its process is killed mid-write (a
+    SIGKILL runs no cleanup) anywhere under `directory`; the paths removed."""
+    stale = [p for p in Path(directory).rglob(".*.tmp") if _TEMPORARY.match(p.name)]
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return stale
 
 
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)

@@ -28,6 +28,7 @@ from selfsup_model.artifacts import (
     cached_sha256,
     read_manifest,
     record_outputs,
+    remove_temporaries,
     verify_outputs,
 )
 from selfsup_model.config import PipelineConfig
@@ -251,6 +252,8 @@ def run_stage(spec: StageSpec, ctx: RunContext, load: Callable[[], Compute]) -> 
     stage_dir.mkdir(parents=True, exist_ok=True)
     # a half-finished stage must never look done
     (stage_dir / MANIFEST_NAME).unlink(missing_ok=True)
+    if stale := remove_temporaries(stage_dir):  # a killed attempt's half-written files
+        log.info("%s: removed %d temporary file(s) a stopped attempt left", spec.name, len(stale))
     fault_timer(spec.name)
     started = dt.datetime.now(dt.UTC)
     run = (ctx.tracking.stage_started(spec.name, params, reason)

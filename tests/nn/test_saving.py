@@ -21,6 +21,9 @@ REGISTERED = {
     "LastTokenPooling", "MaskedLMHead", "MaskedMeanPooling", "PaddingMask", "PretrainExportModel",
     "PretrainingModel", "SelectiveAdamW", "TokenAndPositionEmbedding", "TokenWeightedLoss",
     "TransformerEncoderBlock", "WarmupDecay",
+    # replaced-token detection (pretrain.objective=rtd)
+    "Generator", "ReplaceTokens", "ReplacedTokenExportModel", "ReplacedTokenHead",
+    "ReplacedTokenModel",
 }
 # Where each module lived before the library was split into subpackages (release 4423362).
 FLAT_MODULES = {"selfsup_model.nn.layers": "selfsup_model.layers",

@@ -118,6 +118,17 @@ def test_two_processes_on_one_workdir(tmp_path):
     else:  # the first finished before the second started: both must have succeeded cleanly
         assert (first.returncode, second.returncode) == (0, 0), out[-2000:] + second.stderr[-2000:]
     assert json.loads((wd / "split" / "manifest.json").read_text())["stage"] == "split"
+    # A stage that reruns removes what a killed attempt left half-written: atomic_path's
+    # temporary files (a SIGKILL runs no cleanup), and nothing else.
+    stale = [wd / "split" / ".assignments.parquet.k3j9x_2a.tmp",
+             wd / "split" / "sub" / ".audit.json.Abc12345.tmp"]
+    kept = [wd / "split" / ".hidden.tmp", wd / "split" / "notes.tmp"]
+    for path in stale + kept:
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(b"half")
+    assert main(["run", "--preset", "tiny", "--workdir", str(wd), "--to", "split",
+                 "--force", "split", "--no-tracking"]) == 0
+    assert not any(p.exists() for p in stale) and all(p.exists() for p in kept)
 
 
 def test_unreachable_mlflow_store_fails_clearly_before_any_stage(tmp_path):
