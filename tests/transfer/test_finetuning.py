@@ -323,6 +323,7 @@ def test_classifiers_read_every_window_of_their_documents(monkeypatch, read_wind
 
     class Fake:
         val_macro_f1, learning_rate, updates_run, best_update = 0.5, 1e-3, 1, 1
+        layer_decay = 1.0
         stages, model = [], None
 
         def predict(self, ids, owner=None):
@@ -330,7 +331,7 @@ def test_classifiers_read_every_window_of_their_documents(monkeypatch, read_wind
             return np.zeros(owner[-1] + 1, np.int64)
 
     def fake_train(factory, train, val, num_classes, mode, cfg, seed, learning_rate, trainers,
-                   budget_documents, val_owner):
+                   budget_documents, val_owner, layer_decay):
         seen.append((train[0].tolist(), train[1].tolist(), budget_documents, val[0].tolist(),
                      val[1].tolist(), val_owner.tolist()))
         return Fake()
