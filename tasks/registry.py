@@ -10,8 +10,10 @@ runs.
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import importlib.util
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -191,10 +193,17 @@ def stages_shaped_by(setting_keys: list[str]) -> list[str]:
     return downstream(touched)
 
 
+# CPython 3.11's ast.parse is not safe to run in two threads at once ("AST constructor
+# recursion depth mismatch", seen in CI when two flows built their tasks together).
+_PARSING = threading.Lock()
+
+
+@functools.cache
 def _docstring(module: str) -> str | None:
     """A module's docstring, read from its source without running it."""
     origin = importlib.util.find_spec(module).origin
-    return ast.get_docstring(ast.parse(Path(origin).read_text(encoding="utf-8")))
+    with _PARSING:
+        return ast.get_docstring(ast.parse(Path(origin).read_text(encoding="utf-8")))
 
 
 def _load(module: str):
