@@ -218,8 +218,30 @@ def _make_head(objective: str, backbone: keras.Model, tie_embeddings: bool,
                name=name or f"{objective}_head")
 
 
+class _RebuiltAroundBackbone:
+    """A model whose config holds its backbone serialised: rebuilt from config, the backbone is
+    deserialised first and handed to the constructor, which relinks the heads to it."""
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        config["backbone"] = keras.saving.deserialize_keras_object(config["backbone"],
+                                                                   custom_objects=custom_objects)
+        return cls(**config)
+
+
+def _with_contrastive(model, loss, y_pred):
+    """`loss` plus the model's weighted paired contrastive term, if it has one, on the pooled
+    states it outputs last."""
+    if model.contrastive_loss is None:
+        return loss
+    contrastive = paired_info_nce(y_pred[-1], model.contrastive_temperature)
+    model.contrastive_loss.update_state(contrastive)
+    return loss + model.contrastive_weight * contrastive
+
+
 @serializable
-class PretrainingModel(keras.Model):
+class PretrainingModel(_RebuiltAroundBackbone, keras.Model):
     """The model `fit` trains. mlm: {input_ids (B, L), mask_positions (B, P)} -> (B, P, V);
     clm: {input_ids (B, L-1)} -> (B, L-1, V).
 
@@ -264,11 +286,7 @@ class PretrainingModel(keras.Model):
         logits = y_pred[0] if self.contrastive_loss is not None else y_pred
         # A batch with nothing scored gives 0 (no NaN, no gradient); the metric counts it.
         loss = token_weighted_loss(y, logits, sample_weight, metric=self.token_loss)
-        if self.contrastive_loss is None:
-            return loss
-        contrastive = paired_info_nce(y_pred[1], self.contrastive_temperature)
-        self.contrastive_loss.update_state(contrastive)
-        return loss + self.contrastive_weight * contrastive
+        return _with_contrastive(self, loss, y_pred)
 
     def get_config(self):
         return {"backbone": keras.saving.serialize_keras_object(self.backbone),
@@ -276,13 +294,6 @@ class PretrainingModel(keras.Model):
                 "seed": self.seed, "contrastive_weight": self.contrastive_weight,
                 "contrastive_temperature": self.contrastive_temperature,
                 "name": self.name, "trainable": self.trainable}
-
-    @classmethod
-    def from_config(cls, config, custom_objects=None):
-        config = dict(config)
-        config["backbone"] = keras.saving.deserialize_keras_object(config["backbone"],
-                                                                   custom_objects=custom_objects)
-        return cls(**config)
 
 
 @serializable
@@ -464,7 +475,7 @@ def place_replacements(original_ids, mask_positions, mask_weights, sampled):
 
 
 @serializable
-class ReplacedTokenModel(keras.Model):
+class ReplacedTokenModel(_RebuiltAroundBackbone, keras.Model):
     """What `fit` trains for pretrain.objective=rtd (ELECTRA's replaced-token detection).
 
     Inputs: input_ids (B, L), the corrupted windows the generator reads (the masked-LM
@@ -515,11 +526,7 @@ class ReplacedTokenModel(keras.Model):
         real = ops.cast(ops.cast(x["original_ids"], "int32") >= NUM_SPECIAL, "float32")
         loss = loss + self.rtd_weight * token_weighted_bce(replaced, detected, real,
                                                            metric=self.detection_loss)
-        if self.contrastive_loss is None:
-            return loss
-        contrastive = paired_info_nce(y_pred[3], self.contrastive_temperature)
-        self.contrastive_loss.update_state(contrastive)
-        return loss + self.contrastive_weight * contrastive
+        return _with_contrastive(self, loss, y_pred)
 
     def get_config(self):
         return {"backbone": keras.saving.serialize_keras_object(self.backbone),
@@ -528,13 +535,6 @@ class ReplacedTokenModel(keras.Model):
                 "rtd_weight": self.rtd_weight, "contrastive_weight": self.contrastive_weight,
                 "contrastive_temperature": self.contrastive_temperature,
                 "name": self.name, "trainable": self.trainable}
-
-    @classmethod
-    def from_config(cls, config, custom_objects=None):
-        config = dict(config)
-        config["backbone"] = keras.saving.deserialize_keras_object(config["backbone"],
-                                                                   custom_objects=custom_objects)
-        return cls(**config)
 
 
 @serializable
@@ -549,7 +549,7 @@ class ReplaceTokens(layers.Layer):
 
 
 @serializable
-class ReplacedTokenExportModel(keras.Model):
+class ReplacedTokenExportModel(_RebuiltAroundBackbone, keras.Model):
     """`pretrain_model.keras` of an rtd run: ids (B, L) -> the generator's logits (B, L, V) on
     every position (what fill-mask and the masked-LM validation read), holding the trained
     discriminator (`backbone`, the encoder) and its head (`detector`: `detect`), sharing the
@@ -578,13 +578,6 @@ class ReplacedTokenExportModel(keras.Model):
                 "generator_blocks": self.generator_blocks,
                 "tie_embeddings": self.tie_embeddings, "name": self.name,
                 "trainable": self.trainable}
-
-    @classmethod
-    def from_config(cls, config, custom_objects=None):
-        config = dict(config)
-        config["backbone"] = keras.saving.deserialize_keras_object(config["backbone"],
-                                                                   custom_objects=custom_objects)
-        return cls(**config)
 
 
 def _rtd_parts(backbone: keras.Model, generator_blocks: int, tie_embeddings: bool,
