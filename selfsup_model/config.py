@@ -345,6 +345,17 @@ class BaselineConfig(_Section):
 class CompareConfig(_Section):
     bootstrap: int = Field(1000, ge=10)
     seed: int = 5
+    ensemble_weights: tuple[float, ...] = Field(
+        tuple(i / 10 for i in range(11)),
+        description="Weights w the ensemble row tries (chosen on validation macro-F1): a "
+                    "document's class is the arg-max of w x the best pretrained method's "
+                    "probabilities + (1 - w) x TF-IDF's. Empty: no ensemble row.")
+
+    @model_validator(mode="after")
+    def _check(self) -> CompareConfig:
+        if any(not 0 <= w <= 1 for w in self.ensemble_weights):
+            raise ValueError("compare.ensemble_weights must lie in [0, 1]")
+        return self
 
 
 class PipelineConfig(_Section):

@@ -32,9 +32,12 @@ from selfsup_model.report.comparison import (
     write_report,
 )
 from selfsup_model.report.effects import effect_sentence, pretraining_effects, seed_spread
+from selfsup_model.report.ensemble import TFIDF_METHOD, ensemble_rows, merge_probabilities
 from selfsup_model.report.plots import plot_versions
 from selfsup_model.report.versions import KEY_METHODS, series, version_record, versions_markdown
 from selfsup_model.report.versions import PLOT as VERSIONS_PLOT
+from selfsup_model.text.masking import load_arrays
+from selfsup_model.transfer.protocol import PROBABILITIES_FILE
 from selfsup_model.transfer.sentence_embeddings import SENTENCE_METHOD
 from tasks.stage import RunContext, StageOutput
 from tasks.versions import RECORD_FILE, earlier_versions, snapshot_file
@@ -48,6 +51,22 @@ def _training_summaries(inputs: dict[str, Path]) -> dict[tuple[str, float], dict
         for s in json.loads(inputs[f"{stage}/results.json"].read_text())["results"]:
             out[(s["method"], float(s["fraction"]))] = s
     return out
+
+
+def _ensemble(inputs: dict[str, Path], trained: dict[tuple[str, float], dict],
+              predictions: pd.DataFrame, weights: tuple[float, ...],
+              ) -> tuple[pd.DataFrame, list[dict]]:
+    """The ensemble row's test rows and summaries (`report.ensemble`); none without weights."""
+    if not weights:
+        return predictions.iloc[:0], []
+    arrays = merge_probabilities({stage: load_arrays(inputs[f"{stage}/{PROBABILITIES_FILE}"])
+                                  for stage in ("finetune", "baseline")})
+    rows, summaries = ensemble_rows(list(trained.values()), predictions, arrays, weights)
+    for s in summaries:
+        log.info("ensemble at label fraction %g: %s x %g + %s x %g, validation macro-F1 %.4f",
+                 s["fraction"], s["selected"]["pretrained_member"], s["selected"]["weight"],
+                 TFIDF_METHOD, 1 - s["selected"]["weight"], s["val_macro_f1"])
+    return rows, summaries
 
 
 def kept_classifier(spec_path: Path) -> dict | None:
@@ -157,8 +176,12 @@ def compute(ctx: RunContext, out: Path, inputs: dict[str, Path]) -> StageOutput:
                           "# selfsup comparison\n\nSkipped: the corpus has no usable labels.\n")
         return StageOutput(["report.md"], {"skipped": 1, "results": 0})
     cfg = ctx.config.compare
-    results = recompute_results(predictions, cfg.bootstrap, cfg.seed)
     trained = _training_summaries(inputs)
+    ensemble, ensemble_summaries = _ensemble(inputs, trained, predictions, cfg.ensemble_weights)
+    if not ensemble.empty:
+        predictions = pd.concat([predictions, ensemble], ignore_index=True)
+    trained.update({(s["method"], s["fraction"]): s for s in ensemble_summaries})
+    results = recompute_results(predictions, cfg.bootstrap, cfg.seed)
     spread = seed_spread(pd.concat([pd.read_parquet(inputs[f"{stage}/seed_predictions.parquet"])
                                     for stage in ("finetune", "baseline")], ignore_index=True))
     for r in results:

@@ -133,18 +133,19 @@ PIPELINE: tuple[StageSpec, ...] = (
                                   *LABELLED_INPUTS),
               sections=("finetune", "encode"),
               # v2: rate schedule, staged checks, validation on seen labels; v3: the head's
-              # (and the encoder's) dropout masks from FastDropout's counter hash
-              version=3),
+              # (and the encoder's) dropout masks from FastDropout's counter hash; v4: the
+              # class probabilities behind the predictions (probabilities.npz)
+              version=4),
     # finetune's section: the same fractions, seed and training budget as the pretrained methods.
     StageSpec("baseline", inputs=("ingest/documents.parquet", "tokenizer/tokenizer.json",
                                   *LABELLED_INPUTS),
               sections=("baseline", "finetune", "model"), extra_params=_baseline_extras,
               # v2: rate schedule, validation on seen labels; v3: dropout masks from
-              # FastDropout's counter hash
-              version=3),
+              # FastDropout's counter hash; v4: probabilities.npz
+              version=4),
     StageSpec("compare", inputs=(*(f"{stage}/{name}" for stage in ("finetune", "baseline")
                                    for name in ("predictions.parquet", "seed_predictions.parquet",
-                                                "results.json")),
+                                                "results.json", "probabilities.npz")),
                                  "finetune/classifier.json", "pretrain/history.json",
                                  "pretrain/loss_curve.png", "split/audit.json"),
               sections=("compare",),
@@ -153,7 +154,9 @@ PIPELINE: tuple[StageSpec, ...] = (
               extra_params=lambda ctx: _lazy("tasks.versions", "comparison_params")(ctx),
               # the report's context: pretraining budget, corpus size, every stage's wall time
               manifests=("ingest", "dedup", "split", "tokenizer", "encode", "masks", "pretrain",
-                         "finetune", "baseline")),
+                         "finetune", "baseline"),
+              # v2: the ensemble row (the best pretrained method's probabilities with TF-IDF's)
+              version=2),
 )
 STAGE_NAMES: tuple[str, ...] = tuple(spec.name for spec in PIPELINE)
 

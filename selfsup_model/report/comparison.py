@@ -171,8 +171,10 @@ def render_markdown(results: Sequence[Mapping[str, Any]], context: Mapping[str, 
             "Intervals are 95% percentile bootstrap intervals over test documents; they reflect "
             "test-set sampling only. Where a method was trained with several seeds, \"over "
             "seeds\" gives the mean ± standard deviation of its test macro-F1 across them, and "
-            "the row is the seed chosen on validation. Learning rates, seeds, C and stopping "
-            "points were selected on validation macro-F1 only."
+            "the row is the seed chosen on validation. Learning rates, seeds, C, stopping "
+            "points and the ensemble's weight were selected on validation macro-F1 only. The "
+            "ensemble row averages the best pretrained method's class probabilities with "
+            "TF-IDF's: the best this run can do, never counted as what pretraining bought."
         ),
     ]
     if edges is not None:

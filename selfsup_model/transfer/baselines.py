@@ -52,6 +52,10 @@ class LogregResult:
     predictions: dict[str, np.ndarray]  # eval-set name -> (n,) labels
     fit_time_s: float  # the whole search, the honest cost of this baseline
     model: LogisticRegression = dataclasses.field(repr=False, compare=False)  # fitted, chosen C
+    # class probabilities behind the predictions, columns in `model.classes_` order
+    val_probabilities: np.ndarray = dataclasses.field(repr=False, compare=False, default=None)
+    probabilities: dict[str, np.ndarray] = dataclasses.field(repr=False, compare=False,
+                                                             default_factory=dict)
 
 
 def logreg_on_features(
@@ -83,21 +87,25 @@ def logreg_on_features(
     grid = []
     for c in sorted(set(c_grid)):
         clf = logistic_regression(c, sparse.issparse(train_x)).fit(train_x, train_y)
-        val_pred = _predict(clf, val_x, val_owner)
-        f1 = macro_f1(val_y, val_pred)
+        val_proba = _probabilities(clf, val_x, val_owner)
+        f1 = macro_f1(val_y, _labels(clf, val_proba))
         grid.append({"C": float(c), "val_macro_f1": f1})
         if best is None or f1 > best[0]:  # strict: a tie keeps the smaller C
-            best = (f1, float(c), clf, val_pred)
-    f1, c, clf, val_pred = best
+            best = (f1, float(c), clf, val_proba)
+    f1, c, clf, val_proba = best
     fit_time = time.perf_counter() - start
+    probabilities = {name: _probabilities(clf, x, eval_owners.get(name))
+                     for name, x in eval_x.items()}
     return LogregResult(
         params={"C": c},
         val_macro_f1=f1,
         grid=grid,
-        val_predictions=val_pred,
-        predictions={name: _predict(clf, x, eval_owners.get(name)) for name, x in eval_x.items()},
+        val_predictions=_labels(clf, val_proba),
+        predictions={name: _labels(clf, p) for name, p in probabilities.items()},
         fit_time_s=fit_time,
         model=clf,
+        val_probabilities=val_proba,
+        probabilities=probabilities,
     )
 
 
@@ -155,15 +163,14 @@ def tfidf_logreg(
             best = (res, vectorizer, point)
     res, vectorizer, point = best
     fit_time = time.perf_counter() - start
-    predictions = {
-        name: _predict(res.model, vectorizer.transform(texts))
-        for name, texts in eval_texts.items()
-    }
+    probabilities = {name: _probabilities(res.model, vectorizer.transform(texts))
+                     for name, texts in eval_texts.items()}
     return dataclasses.replace(
         res,
         params={**res.params, **point},
         grid=grid,
-        predictions=predictions,
+        predictions={name: _labels(res.model, p) for name, p in probabilities.items()},
+        probabilities=probabilities,
         fit_time_s=fit_time,
     )
 
@@ -217,15 +224,20 @@ def majority_class(train_y: Sequence, n: int) -> np.ndarray:
 # ---------------------------------------------------------------- internals
 
 
-def _predict(clf: LogisticRegression, x, owner: np.ndarray | None = None) -> np.ndarray:
-    """Labels for the rows of `x`, or with `owner` for the documents that own them (the class
-    of highest mean probability over a document's rows); zero rows give an empty array
-    (sklearn refuses them)."""
+def _probabilities(clf: LogisticRegression, x, owner: np.ndarray | None = None) -> np.ndarray:
+    """Class probabilities (columns in `clf.classes_` order) for the rows of `x`, or with
+    `owner` for the documents that own them (the mean over a document's rows); zero rows give
+    an empty (0, classes) array (sklearn refuses them)."""
     if np.shape(x)[0] == 0:
-        return np.asarray([], dtype=clf.classes_.dtype)
+        return np.zeros((0, len(clf.classes_)))
+    proba = clf.predict_proba(x)
     if (n_docs := documents_owning(owner)) is None:  # one row per document
-        return clf.predict(x)
-    proba = mean_over_documents(clf.predict_proba(x), owner, n_docs)
+        return proba
+    return mean_over_documents(proba, owner, n_docs)
+
+
+def _labels(clf: LogisticRegression, proba: np.ndarray) -> np.ndarray:
+    """The label of highest probability per row of `_probabilities`."""
     return clf.classes_[np.argmax(proba, axis=1)]
 
 

@@ -118,14 +118,22 @@ def _predict_rows(model, ids: np.ndarray, batch_size: int, real: np.ndarray | No
     return np.concatenate(out)
 
 
+def predict_probabilities(model: keras.Model, ids: np.ndarray, batch_size: int = 256,
+                          owner: np.ndarray | None = None) -> np.ndarray:
+    """Class probabilities (rows, classes) float32 for token ids (N, L): the softmax of each
+    row's logits, or with `owner` (each row's document, non-decreasing) one row per document,
+    the mean of its rows' probabilities."""
+    probabilities = softmax(predict_in_batches(model, ids, batch_size))
+    if (n_docs := documents_owning(owner)) is not None:
+        probabilities = mean_over_documents(probabilities, owner, n_docs)
+    return probabilities
+
+
 def predict_classes(model: keras.Model, ids: np.ndarray, batch_size: int = 256,
                     owner: np.ndarray | None = None) -> np.ndarray:
-    """Arg-max class ids for token ids (N, L): one per row, or with `owner` (each row's
-    document, non-decreasing) one per document, from the mean of its rows' probabilities."""
-    scores = predict_in_batches(model, ids, batch_size)
-    if (n_docs := documents_owning(owner)) is not None:
-        scores = mean_over_documents(softmax(scores), owner, n_docs)
-    return np.argmax(scores, axis=-1).astype(np.int64)
+    """Arg-max class ids of `predict_probabilities`: one per row, or per document with
+    `owner`."""
+    return np.argmax(predict_probabilities(model, ids, batch_size, owner), axis=-1).astype(np.int64)
 
 
 def stratified_subset(labels: Sequence, fraction: float, seed: int) -> np.ndarray:

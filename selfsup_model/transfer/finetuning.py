@@ -49,7 +49,7 @@ from selfsup_model.transfer.classify import (
     build_classifier,
     check_encoder_length,
     encoder_inputs,
-    predict_classes,
+    predict_probabilities,
 )
 from selfsup_model.transfer.features import feature_extractor, predict_in_batches
 
@@ -128,11 +128,16 @@ class ClassifierResult:
     history: list[dict]  # per validation check: stage, update, val_macro_f1
     stages: list[dict]  # per stage: name, updates, learning_rate, best val macro-F1, kept
     val_predictions: np.ndarray  # (n_val,) class ids, one per validation document
+    val_probabilities: np.ndarray  # (n_val, classes) float32: what val_predictions arg-maxes
     predictions: dict[str, np.ndarray]  # eval-set name -> (n,) class ids
-    # (windows (m, L), owner (m,) or None) -> class ids, one per document (per row when owner
-    # is None), from the kept weights through the method's compiled trainer: for sets only the
-    # selected runs need (the caller's test set).
-    predict: Callable[..., np.ndarray]
+    # (windows (m, L), owner (m,) or None) -> class probabilities (documents, classes), one row
+    # per document (per window row when owner is None), from the kept weights through the
+    # method's compiled trainer: for sets only the selected runs need (the caller's test set).
+    probabilities: Callable[..., np.ndarray]
+
+    def predict(self, ids: np.ndarray, owner: np.ndarray | None = None) -> np.ndarray:
+        """Class ids (the arg-max of `probabilities`), one per document (or row)."""
+        return np.argmax(self.probabilities(ids, owner), axis=-1).astype(np.int64)
 
 
 def train_classifier(backbone_factory: Callable[[], keras.Model],
@@ -185,18 +190,19 @@ def train_classifier(backbone_factory: Callable[[], keras.Model],
         run.train_stage(stage, checks)
     run.restore_best()
 
-    def predict(ids: np.ndarray, owner: np.ndarray | None = None) -> np.ndarray:
+    def probabilities(ids: np.ndarray, owner: np.ndarray | None = None) -> np.ndarray:
         check_encoder_length("eval", ids, backbone)
-        return run.predict(encoder_inputs(backbone, ids), owner)
+        return run.probabilities(encoder_inputs(backbone, ids), owner)
 
     return ClassifierResult(
         model=model, mode=mode, learning_rate=learning_rate, layer_decay=layer_decay,
         val_macro_f1=macro_f1(val_y, run.best_val_pred), updates_run=run.updates,
         best_update=run.best_update, train_time_s=time.perf_counter() - start,
         history=run.history, stages=run.stages, val_predictions=run.best_val_pred,
-        predictions={name: run.predict(encoder_inputs(backbone, ids))
+        val_probabilities=run.best_val_proba,
+        predictions={name: np.argmax(run.probabilities(encoder_inputs(backbone, ids)), -1)
                      for name, ids in (eval_sets or {}).items()},
-        predict=predict)
+        probabilities=probabilities)
 
 
 class StageTrainers:
@@ -238,19 +244,19 @@ class StageTrainers:
             self._models[kind] = trainer
         return self._models[kind]
 
-    def predict(self, kind: str, trainer: keras.Model, ids: np.ndarray,
-                cfg: FinetuneConfig, owner: np.ndarray | None = None) -> np.ndarray:
-        """Class ids of `ids` (per document with `owner`, see `predict_classes`) from the
-        current weights of `kind`'s trainer."""
+    def probabilities(self, kind: str, trainer: keras.Model, ids: np.ndarray,
+                      cfg: FinetuneConfig, owner: np.ndarray | None = None) -> np.ndarray:
+        """Class probabilities of `ids` (per document with `owner`, see
+        `predict_probabilities`) from the current weights of `kind`'s trainer."""
         if process_count() == 1:
-            return predict_classes(trainer, ids, cfg.eval_batch_size, owner)
+            return predict_probabilities(trainer, ids, cfg.eval_batch_size, owner)
         if kind not in self._local:
             with no_distribution():  # built alike, uncompiled: inference only
                 self._local[kind] = keras.Model.from_config(trainer.get_config())
         local = self._local[kind]
         local.set_weights(trainer.get_weights())  # each process reads its own replica
         with no_distribution():
-            return predict_classes(local, ids, cfg.eval_batch_size, owner)
+            return predict_probabilities(local, ids, cfg.eval_batch_size, owner)
 
     def features(self, model: keras.Model, ids: np.ndarray, cfg: FinetuneConfig) -> np.ndarray:
         """Pooled features of the frozen encoder of `model` (the run's own) for `ids`, cached
@@ -290,15 +296,16 @@ class ClassifierRun:
         self.updates, self.best_update, self.best_f1 = 0, 0, -1.0
         self.best_weights: list[np.ndarray] | None = None
         self.best_val_pred = np.zeros(len(self.val_y), np.int64)
+        self.best_val_proba = np.zeros((len(self.val_y), 0), np.float32)
         self.history: list[dict] = []
         self.stages: list[dict] = []
 
-    def predict(self, ids: np.ndarray, owner: np.ndarray | None = None) -> np.ndarray:
-        """Class ids from the run's current weights (through the compiled ``all`` trainer, or
-        this process's copy of it, `StageTrainers.predict`)."""
+    def probabilities(self, ids: np.ndarray, owner: np.ndarray | None = None) -> np.ndarray:
+        """Class probabilities from the run's current weights (through the compiled ``all``
+        trainer, or this process's copy of it, `StageTrainers.probabilities`)."""
         trainer = self.trainers.trainer("all", self.model, self.cfg)
         copy_state(self.model, trainer)
-        return self.trainers.predict("all", trainer, ids, self.cfg, owner)
+        return self.trainers.probabilities("all", trainer, ids, self.cfg, owner)
 
     def restore_best(self) -> None:
         if self.best_weights is not None:
@@ -330,7 +337,9 @@ class ClassifierRun:
             trainer.fit(x_train[idx], self.train_y[idx], batch_size=rows.shape[1], epochs=1,
                         shuffle=False, verbose=0)
             self.updates += len(rows)
-            val_pred = self.trainers.predict(stage.name, trainer, x_val, self.cfg, self.val_owner)
+            val_proba = self.trainers.probabilities(stage.name, trainer, x_val, self.cfg,
+                                                    self.val_owner)
+            val_pred = np.argmax(val_proba, axis=-1).astype(np.int64)
             f1 = macro_f1(self.val_y, val_pred)
             self.history.append({"stage": stage.name, "update": self.updates, "val_macro_f1": f1})
             stage_best = max(stage_best, f1)
@@ -338,7 +347,8 @@ class ClassifierRun:
             # branch, so all train the same updates.
             if agreed(f1 > self.best_f1):
                 self._hand_back(stage.name, trainer)
-                self.best_f1, self.best_update, self.best_val_pred = f1, self.updates, val_pred
+                self.best_f1, self.best_update = f1, self.updates
+                self.best_val_pred, self.best_val_proba = val_pred, val_proba
                 self.best_weights = self.model.get_weights()
                 waited, kept = 0, True  # the stage raised validation macro-F1
             else:

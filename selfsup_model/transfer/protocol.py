@@ -27,7 +27,9 @@ from selfsup_model.config import BaselineConfig, FinetuneConfig
 from selfsup_model.corpus.splitting import SPLITS
 from selfsup_model.pretraining.devices import data_parallel_scope, process_count, process_index
 from selfsup_model.report.comparison import PREDICTION_COLUMNS, SEED_COLUMNS, result_key
+from selfsup_model.report.ensemble import probabilities_key
 from selfsup_model.report.metrics import macro_f1
+from selfsup_model.text.masking import save_arrays
 from selfsup_model.text.windows import document_windows, first_windows
 from selfsup_model.transfer.baselines import logreg_on_features, majority_class, tfidf_logreg
 from selfsup_model.transfer.classify import stratified_subset
@@ -126,17 +128,36 @@ def load_labelled(encode_dir: Path, max_len: int | None = None) -> LabelledData 
 @dataclasses.dataclass
 class MethodResults:
     """Test prediction rows (`report.PREDICTION_COLUMNS`), one training summary per method and
-    fraction, and the test predictions of every training seed (`SEED_COLUMNS`)."""
+    fraction, the test predictions of every training seed (`SEED_COLUMNS`), and the class
+    probabilities behind the reported predictions (`probabilities_key`; with "val_ids" and
+    "test_ids", the documents their rows are, and "val_y", the validation class ids)."""
 
     rows: list[tuple] = dataclasses.field(default_factory=list)
     summaries: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     seed_rows: list[tuple] = dataclasses.field(default_factory=list)
+    probabilities: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
     def add(self, method: str, fraction: float, data: LabelledData, test_predictions: np.ndarray,
-            summary: dict[str, Any]) -> None:
+            summary: dict[str, Any],
+            probabilities: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+        """`probabilities`: (validation (scorable documents, classes), test (documents,
+        classes)), columns in `data.classes` order, of the model behind `test_predictions`."""
         self.rows += prediction_rows(method, fraction, data.splits["test"], test_predictions,
                                      data.classes)
         self.summaries.append({"method": method, "fraction": float(fraction), **summary})
+        if probabilities is not None:
+            val, test = (np.asarray(p, np.float32) for p in probabilities)
+            shapes = {"val": (len(data.scorable("val")), len(data.classes)),
+                      "test": (len(data.splits["test"].ids), len(data.classes))}
+            if val.shape != shapes["val"] or test.shape != shapes["test"]:
+                raise ValueError(f"{method} at {fraction:g}: probabilities {val.shape} / "
+                                 f"{test.shape}, expected {shapes['val']} / {shapes['test']}")
+            self.probabilities.setdefault(
+                "val_ids", data.splits["val"].ids[data.scorable("val")].astype(str))
+            self.probabilities.setdefault("val_y", data.y("val")[data.scorable("val")])
+            self.probabilities.setdefault("test_ids", data.splits["test"].ids.astype(str))
+            self.probabilities[probabilities_key(method, fraction, "val")] = val
+            self.probabilities[probabilities_key(method, fraction, "test")] = test
 
     def add_seed(self, method: str, fraction: float, seed: int, data: LabelledData,
                  test_predictions: np.ndarray) -> None:
@@ -148,6 +169,24 @@ class MethodResults:
         self.rows += other.rows
         self.summaries += other.summaries
         self.seed_rows += other.seed_rows
+        self.probabilities.update(other.probabilities)
+
+
+PROBABILITIES_FILE = "probabilities.npz"
+
+
+def class_columns(probabilities: np.ndarray, columns: Sequence[str],
+                  classes: Sequence[str]) -> np.ndarray:
+    """`probabilities` (rows, len(columns)) re-ordered into `classes` columns; a class the
+    model never saw in training (a small label subset may miss one) gets probability 0."""
+    probabilities = np.asarray(probabilities)
+    out = np.zeros((len(probabilities), len(classes)), np.float32)
+    index = {c: i for i, c in enumerate(classes)}
+    unknown = [str(c) for c in columns if str(c) not in index]
+    if unknown:
+        raise ValueError(f"classes {unknown} are not among the training split's")
+    out[:, [index[str(c)] for c in columns]] = probabilities
+    return out
 
 
 def prediction_rows(method: str, fraction: float, split: LabelledSplit, predicted: np.ndarray,
@@ -255,13 +294,13 @@ def _train_neural_methods(data: LabelledData, methods: Sequence[NeuralMethod],
                     best = res
             per_seed.insert(0, (first, best))
             # Test predictions only for the rate validation chose: the others are never read.
-            per_seed = [(seed, res, res.predict(test_windows, test_owner))
+            per_seed = [(seed, res, res.probabilities(test_windows, test_owner))
                         for seed, res in per_seed]
-            for seed, _, predicted in per_seed:
-                out.add_seed(method.name, fraction, seed, data, predicted)
+            for seed, _, proba in per_seed:
+                out.add_seed(method.name, fraction, seed, data, np.argmax(proba, axis=-1))
             # the seed best on validation; the first on ties
-            seed, chosen, predicted = max(per_seed, key=lambda r: r[1].val_macro_f1)
-            out.add(method.name, fraction, data, predicted, {
+            seed, chosen, proba = max(per_seed, key=lambda r: r[1].val_macro_f1)
+            out.add(method.name, fraction, data, np.argmax(proba, axis=-1), {
                 "n_train": len(subset), "n_train_windows": len(windows),
                 "val_macro_f1": chosen.val_macro_f1,
                 "selected": {"learning_rate": chosen.learning_rate,
@@ -271,7 +310,8 @@ def _train_neural_methods(data: LabelledData, methods: Sequence[NeuralMethod],
                 "updates_run": chosen.updates_run,
                 "best_update": chosen.best_update, "grid": grid,
                 "train_time_s": round(time.perf_counter() - t0, 3),
-                **({"stages": chosen.stages} if method.mode == "staged" else {})})
+                **({"stages": chosen.stages} if method.mode == "staged" else {})},
+                probabilities=(chosen.val_probabilities, proba))
             if fraction == largest:
                 kept[method.name] = chosen
     return out, kept
@@ -349,7 +389,8 @@ def text_baselines(data: LabelledData, texts: pd.Series, baseline: BaselineConfi
                            val_texts, val_labels, {"test": texts.loc[test.ids].tolist()}, baseline)
         out.add("tfidf_logreg", fraction, data, np.asarray(res.predictions["test"], dtype=str), {
             "n_train": len(subset), "val_macro_f1": res.val_macro_f1,
-            "train_time_s": round(res.fit_time_s, 3), "params": res.params})
+            "train_time_s": round(res.fit_time_s, 3), "params": res.params},
+            probabilities=_logreg_probabilities(res, data.classes))
     return out
 
 
@@ -399,8 +440,16 @@ def features_probe(method: str, data: LabelledData, features: Mapping[str, np.nd
             "n_train": len(subset), "n_train_windows": int(rows.sum()),
             "val_macro_f1": res.val_macro_f1, "params": res.params,
             "train_time_s": round(res.fit_time_s + feature_time_s, 3),
-            "feature_time_s": round(feature_time_s, 3)})
+            "feature_time_s": round(feature_time_s, 3)},
+            probabilities=_logreg_probabilities(res, data.classes))
     return out
+
+
+def _logreg_probabilities(res, classes: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    """A `LogregResult`'s validation and test probabilities in `classes` columns."""
+    columns = res.model.classes_
+    return (class_columns(res.val_probabilities, columns, classes),
+            class_columns(res.probabilities["test"], columns, classes))
 
 
 def _rows_of(docs: np.ndarray, owner: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
@@ -417,7 +466,8 @@ def write_method_results(out_dir: Path, results: MethodResults, classes: Sequenc
                          skipped: str | None = None,
                          unavailable: Mapping[str, str] | None = None) -> list[str]:
     """`predictions.parquet` (test rows), `seed_predictions.parquet` (every training seed's test
-    rows) and `results.json` (summaries) of a classification stage."""
+    rows), `results.json` (summaries) and `probabilities.npz` (the class probabilities behind
+    the reported rows, for the ensemble in compare) of a classification stage."""
     if skipped is not None:
         log.warning("%s skipped: %s", out_dir.name, skipped)
     body: dict[str, Any] = ({"skipped": skipped} if skipped is not None
@@ -430,4 +480,6 @@ def write_method_results(out_dir: Path, results: MethodResults, classes: Sequenc
     atomic_write_parquet(out_dir / "seed_predictions.parquet",
                          pd.DataFrame(results.seed_rows, columns=list(SEED_COLUMNS)))
     atomic_write_json(out_dir / "results.json", body)
-    return ["predictions.parquet", "seed_predictions.parquet", "results.json"]
+    save_arrays(out_dir / PROBABILITIES_FILE,
+                {"classes": np.asarray(list(classes), dtype=str), **results.probabilities})
+    return ["predictions.parquet", "seed_predictions.parquet", "results.json", PROBABILITIES_FILE]

@@ -187,3 +187,45 @@ def test_pretraining_reads_only_the_training_split_and_its_loss_is_recomputable(
                              scored_only=False)
     assert val["loss"] == pytest.approx(manifest.metrics["val/mlm_loss"], abs=1e-5)
     assert val["scored_tokens"] == manifest.metrics["val/scored_tokens"]
+
+
+def test_the_ensemble_row_recomputes_from_the_stages_probabilities(tiny_run):
+    from selfsup_model.report.ensemble import ENSEMBLE_METHOD, probabilities_key
+    from selfsup_model.report.metrics import macro_f1
+    from selfsup_model.text.masking import load_arrays
+
+    wd, _, _ = tiny_run
+    arrays = {stage: load_arrays(wd / stage / "probabilities.npz")
+              for stage in ("finetune", "baseline")}
+    predictions = pd.read_parquet(wd / "compare" / "predictions.parquet")
+    report = json.loads((wd / "compare" / "report.json").read_text())
+    classes = arrays["finetune"]["classes"]
+    # The stored probabilities are those behind every method's reported test predictions and
+    # its validation score.
+    for stage, a in arrays.items():
+        for s in json.loads((wd / stage / "results.json").read_text())["results"]:
+            key = probabilities_key(s["method"], s["fraction"], "val")
+            if s["method"] == "majority":
+                assert key not in a
+                continue
+            assert macro_f1(a["val_y"], np.argmax(a[key], axis=1)) == s["val_macro_f1"]
+            rows = predictions[(predictions["method"] == s["method"])
+                               & (predictions["fraction"] == s["fraction"])].set_index("id")
+            test = a[probabilities_key(s["method"], s["fraction"], "test")]
+            np.testing.assert_array_equal(rows.loc[a["test_ids"], "prediction"],
+                                          classes[np.argmax(test, axis=1)])
+    a = {**arrays["baseline"], **arrays["finetune"]}
+    rows = [r for r in report["results"] if r["method"] == ENSEMBLE_METHOD]
+    assert {r["fraction"] for r in rows} == {0.5, 1.0}
+    for r in rows:
+        w, member = r["selected"]["weight"], r["selected"]["pretrained_member"]
+        assert member.startswith("pretrained_") and 0.0 <= w <= 1.0
+        mixed = {split: w * a[probabilities_key(member, r["fraction"], split)]
+                 + (1 - w) * a[probabilities_key("tfidf_logreg", r["fraction"], split)]
+                 for split in ("val", "test")}
+        assert macro_f1(a["val_y"], np.argmax(mixed["val"], axis=1)) == r["val_macro_f1"]
+        got = predictions[(predictions["method"] == ENSEMBLE_METHOD)
+                          & (predictions["fraction"] == r["fraction"])].set_index("id")
+        np.testing.assert_array_equal(got.loc[a["test_ids"], "prediction"],
+                                      classes[np.argmax(mixed["test"], axis=1)])
+    assert all(e["pretrained_method"] != ENSEMBLE_METHOD for e in report["pretraining_effect"])

@@ -212,6 +212,12 @@ def test_errors_are_clear(pretrained):
                              val_owner=np.array(owner))
 
 
+def _first_class(n: int) -> np.ndarray:
+    """Class probabilities of two classes that predict the first for each of `n` rows, as a
+    fake classifier run hands them back."""
+    return np.tile(np.array([1.0, 0.0], np.float32), (n, 1))
+
+
 def _labelled_data() -> LabelledData:
     """Two classes; 40 training, 10 validation and 6 test documents."""
     docs = {s: make_docs(n, k) for s, n, k in (("train", 40, 0), ("val", 10, 1), ("test", 6, 2))}
@@ -233,9 +239,10 @@ def test_other_seeds_repeat_the_point_the_first_seeds_grid_chose(monkeypatch):
             self.learning_rate, self.layer_decay = lr, decay
             self.updates_run = self.best_update = 1
             self.stages, self.model = [], None
+            self.val_probabilities = _first_class(10)
 
-        def predict(self, ids, owner=None):
-            return np.zeros(len(ids), np.int64)
+        def probabilities(self, ids, owner=None):
+            return _first_class(len(ids))
 
     def fake_train(factory, train, val, num_classes, mode, cfg, seed, learning_rate, trainers,
                    budget_documents, val_owner, layer_decay):
@@ -264,10 +271,11 @@ def test_every_neural_method_gets_the_same_grid_budget_and_subsets(monkeypatch):
             self.layer_decay = 1.0
             self.updates_run = self.best_update = 1
             self.stages, self.model = [], None
+            self.val_probabilities = _first_class(10)
 
-        def predict(self, ids, owner=None):
+        def probabilities(self, ids, owner=None):
             predicted.append((len(ids), self.learning_rate))
-            return np.zeros(len(ids), np.int64)
+            return _first_class(len(ids))
 
     def fake_train(factory, train, val, num_classes, mode, cfg, seed, learning_rate, trainers,
                    budget_documents, val_owner, layer_decay):
@@ -325,10 +333,11 @@ def test_classifiers_read_every_window_of_their_documents(monkeypatch, read_wind
         val_macro_f1, learning_rate, updates_run, best_update = 0.5, 1e-3, 1, 1
         layer_decay = 1.0
         stages, model = [], None
+        val_probabilities = _first_class(3)
 
-        def predict(self, ids, owner=None):
+        def probabilities(self, ids, owner=None):
             tested.append((ids.tolist(), owner.tolist()))
-            return np.zeros(owner[-1] + 1, np.int64)
+            return _first_class(owner[-1] + 1)
 
     def fake_train(factory, train, val, num_classes, mode, cfg, seed, learning_rate, trainers,
                    budget_documents, val_owner, layer_decay):
@@ -375,7 +384,10 @@ def test_the_probe_trains_on_the_rows_of_its_subsets_documents(monkeypatch):
         assert val_owner.tolist() == [0, 0] and eval_owners["test"].tolist() == [0]
         seen.append((x.ravel().tolist(), list(y), val_x.ravel().tolist()))
         return types.SimpleNamespace(predictions={"test": ["a"]}, val_macro_f1=1.0,
-                                     params={"C": 1.0}, fit_time_s=0.0, model=None)
+                                     params={"C": 1.0}, fit_time_s=0.0,
+                                     model=types.SimpleNamespace(classes_=np.array(["a", "b"])),
+                                     val_probabilities=_first_class(1),
+                                     probabilities={"test": _first_class(1)})
 
     monkeypatch.setattr("selfsup_model.transfer.protocol.logreg_on_features", fake_logreg)
     cfg = FinetuneConfig(fractions=(0.5, 1.0))
