@@ -53,13 +53,16 @@ PRESETS: dict[str, dict[str, Any]] = {
         # A same-document contrastive term at weight 0.1 (benchmarks/README, "Pairing windows
         # of a document"): chosen on the linear probe's validation macro-F1 among 0.02, 0.1
         # and 0.5 (0.492, 0.542, 0.512 at 5% labels; 0.440 without), at a cost in validation
-        # MLM loss (4.19 against 3.89). Its pairs need longer buckets (7% padding), and the
-        # demo had to fit 15 minutes on slower hosts: 2,400 steps, down from 2,850.
+        # MLM loss (4.19 against 3.89). Its pairs need longer buckets (7% padding).
+        # 1,200 steps, down from 2,400, for the demo to fit 12 minutes on 2 cores (it took 17 on
+        # the faster of our hosts, pretraining 630 s of it): on the objective sweep's host the
+        # full fine-tuning validation macro-F1 went 0.556 / 0.657 at 1,225 steps against
+        # 0.572 / 0.660 at 2,400 (5% / 25% labels; benchmarks/README.md, objective sweep).
         # Not packing (pretrain.packing): at 64 tokens it measured 0.98x the real tokens/s of
         # these buckets, which leave 3% padding, and the contrastive term pairs whole rows.
-        "pretrain": {"batch_size": 64, "steps": 2400, "learning_rate": 1e-3, "warmup_steps": 100,
-                      "decay": "linear", "log_every": 50, "eval_every": 500,
-                      "checkpoint_every": 500, "jit": "on", "length_buckets": 4,
+        "pretrain": {"batch_size": 64, "steps": 1200, "learning_rate": 1e-3, "warmup_steps": 50,
+                      "decay": "linear", "log_every": 50, "eval_every": 400,
+                      "checkpoint_every": 400, "jit": "on", "length_buckets": 4,
                       "contrastive_weight": 0.1},
         # Every neural method: 2 rates, then the chosen one again with a second seed at 5%;
         # 120-300 updates, no dropout inside the encoder (chosen when it cost a third of a CPU
