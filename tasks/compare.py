@@ -32,12 +32,16 @@ from selfsup_model.report.comparison import (
     write_report,
 )
 from selfsup_model.report.effects import effect_sentence, pretraining_effects, seed_spread
-from selfsup_model.report.ensemble import TFIDF_METHOD, ensemble_rows, merge_probabilities
+from selfsup_model.report.ensemble import (
+    PROBABILITIES_FILE,
+    TFIDF_METHOD,
+    ensemble_rows,
+    merge_probabilities,
+)
 from selfsup_model.report.plots import plot_versions
 from selfsup_model.report.versions import KEY_METHODS, series, version_record, versions_markdown
 from selfsup_model.report.versions import PLOT as VERSIONS_PLOT
 from selfsup_model.text.masking import load_arrays
-from selfsup_model.transfer.protocol import PROBABILITIES_FILE
 from selfsup_model.transfer.sentence_embeddings import SENTENCE_METHOD
 from tasks.stage import RunContext, StageOutput
 from tasks.versions import RECORD_FILE, earlier_versions, snapshot_file

@@ -29,6 +29,8 @@ from selfsup_model.report.effects import PRETRAINED_PREFIX, tie_rank
 from selfsup_model.report.metrics import macro_f1
 
 ENSEMBLE_METHOD = "ensemble_pretrained_tfidf"
+# What finetune and baseline write beside their predictions (`protocol.write_method_results`)
+PROBABILITIES_FILE = "probabilities.npz"
 TFIDF_METHOD = "tfidf_logreg"
 
 

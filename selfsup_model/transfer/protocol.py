@@ -27,7 +27,7 @@ from selfsup_model.config import BaselineConfig, FinetuneConfig
 from selfsup_model.corpus.splitting import SPLITS
 from selfsup_model.pretraining.devices import data_parallel_scope, process_count, process_index
 from selfsup_model.report.comparison import PREDICTION_COLUMNS, SEED_COLUMNS, result_key
-from selfsup_model.report.ensemble import probabilities_key
+from selfsup_model.report.ensemble import PROBABILITIES_FILE, probabilities_key
 from selfsup_model.report.metrics import macro_f1
 from selfsup_model.text.masking import save_arrays
 from selfsup_model.text.windows import document_windows, first_windows
@@ -170,9 +170,6 @@ class MethodResults:
         self.summaries += other.summaries
         self.seed_rows += other.seed_rows
         self.probabilities.update(other.probabilities)
-
-
-PROBABILITIES_FILE = "probabilities.npz"
 
 
 def class_columns(probabilities: np.ndarray, columns: Sequence[str],
