@@ -55,14 +55,18 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
             tmp_path.unlink()
 
 
-# What `atomic_path` names its temporary files: "." + the file's name + mkstemp's 8 characters.
+# What `atomic_path` names its temporary files: "." + the file's name + mkstemp's 8 characters;
+# and `save_keras_atomic` its scratch model: "." + the stem + ".tmp" + a pid + ".keras".
 _TEMPORARY = re.compile(r"^\..+\.[A-Za-z0-9_]{8}\.tmp$")
+_KERAS_SCRATCH = re.compile(r"^\..+\.tmp\d+\.keras$")
 
 
 def remove_temporaries(directory: str | os.PathLike) -> list[Path]:
-    """Delete the temporary files `atomic_path` leaves when its process is killed mid-write (a
-    SIGKILL runs no cleanup) anywhere under `directory`; the paths removed."""
-    stale = [p for p in Path(directory).rglob(".*.tmp") if _TEMPORARY.match(p.name)]
+    """Delete the temporary files `atomic_path` and `save_keras_atomic` leave when their process
+    is killed mid-write (a SIGKILL runs no cleanup) anywhere under `directory`; the paths
+    removed."""
+    stale = [p for p in Path(directory).rglob(".*") if p.is_file()
+             and (_TEMPORARY.match(p.name) or _KERAS_SCRATCH.match(p.name))]
     for path in stale:
         path.unlink(missing_ok=True)
     return stale

@@ -119,10 +119,13 @@ def test_two_processes_on_one_workdir(tmp_path):
         assert (first.returncode, second.returncode) == (0, 0), out[-2000:] + second.stderr[-2000:]
     assert json.loads((wd / "split" / "manifest.json").read_text())["stage"] == "split"
     # A stage that reruns removes what a killed attempt left half-written: atomic_path's
-    # temporary files (a SIGKILL runs no cleanup), and nothing else.
+    # temporary files and save_keras_atomic's scratch models (a SIGKILL runs no cleanup), and
+    # nothing else.
     stale = [wd / "split" / ".assignments.parquet.k3j9x_2a.tmp",
-             wd / "split" / "sub" / ".audit.json.Abc12345.tmp"]
-    kept = [wd / "split" / ".hidden.tmp", wd / "split" / "notes.tmp"]
+             wd / "split" / "sub" / ".audit.json.Abc12345.tmp",
+             wd / "split" / ".classifier.tmp15872.keras"]
+    kept = [wd / "split" / ".hidden.tmp", wd / "split" / "notes.tmp",
+            wd / "split" / ".classifier.keras", wd / "split" / ".x.tmpabc.keras"]
     for path in stale + kept:
         path.parent.mkdir(exist_ok=True)
         path.write_bytes(b"half")
