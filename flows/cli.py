@@ -151,6 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
     ui = sub.add_parser("ui", help="start the MLflow UI on 127.0.0.1 for a workdir's run store")
     ui.add_argument("--workdir", default=DEFAULT_WORKDIR, help="[default: %(default)s]")
     ui.add_argument("--port", type=int, default=5000, help="[default: %(default)s]")
+    ui.add_argument("--workers", type=int, default=1,
+                    help="server processes; one serves a person's browser, and starts in about "
+                         "half the time of MLflow's default four [default: %(default)s]")
     return parser
 
 
@@ -320,6 +323,8 @@ def _report_rejects(rejects, read: int, shown: int = 20) -> None:
 
 
 def _cmd_ui(args: argparse.Namespace) -> int:
+    if args.workers < 1:
+        raise UserError(f"--workers must be at least 1 (got {args.workers})")
     import subprocess
 
     from mlflow.tracking import MlflowClient
@@ -337,7 +342,7 @@ def _cmd_ui(args: argparse.Namespace) -> int:
         # MLflow 3.17's UI opens an experiment on GenAI traces unless the link asks for runs.
         print(f"Runs:    {ui_url(base, experiment.experiment_id)}", flush=True)
     cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri,
-           "--host", "127.0.0.1", "--port", str(args.port)]
+           "--host", "127.0.0.1", "--port", str(args.port), "--workers", str(args.workers)]
     return subprocess.call(cmd)
 
 

@@ -12,9 +12,16 @@ os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 import functools
+import importlib.util
 import logging
 import re
+import shutil
+import socket
+import subprocess
 import sys
+import tempfile
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -107,15 +114,75 @@ else:
         return _PipelineScopes(config, log) if config.getvalue("dist") == "loadscope" else None
 
 
+_SHARED_API = "SELFSUP_TEST_PREFECT_API"  # set by the xdist controller for its workers
+
+
+def pytest_configure(config):
+    """Under xdist the controller starts one test Prefect API for every worker, before they
+    start, and does not wait for it: the workers collect while it comes up (one server start
+    instead of one per worker, each 15-18 s of a core)."""
+    if hasattr(config, "workerinput") or not config.getoption("numprocesses", default=None):
+        return
+    home = Path(tempfile.mkdtemp(prefix="selfsup-test-prefect-"))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    # What prefect_test_harness runs (Prefect's temporary server), on a SQLite file of its own.
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_UI_ENABLED": "0",
+           "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1",
+           "PREFECT_SERVER_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{home / 'prefect.db'}"}
+    app_dir = Path(importlib.util.find_spec("prefect").origin).parent.parent
+    with open(home / "server.log", "w") as log:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "uvicorn", "--app-dir", str(app_dir), "--factory",
+             "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(port),
+             "--log-level", "error", "--lifespan", "on"],
+            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    config._selfsup_prefect_api = (server, home)
+    os.environ["PREFECT_API_URL"] = f"http://127.0.0.1:{port}/api"  # the workers inherit it
+    os.environ[_SHARED_API] = str(home / "server.log")
+
+
+def pytest_unconfigure(config):
+    if (started := getattr(config, "_selfsup_prefect_api", None)) is not None:
+        server, home = started
+        server.terminate()
+        try:
+            server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def _wait_for_shared_api(timeout: float = 180.0) -> None:
+    url, deadline = os.environ["PREFECT_API_URL"], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.2)
+    log = Path(os.environ[_SHARED_API])
+    raise RuntimeError(f"the shared test Prefect API at {url} did not answer in {timeout:.0f} s; "
+                       f"its log ends: {log.read_text()[-2000:] if log.exists() else '(none)'}")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def prefect_harness():
-    """A throwaway Prefect API for every test (started once: it takes seconds).
+    """A throwaway Prefect API for every test: under xdist the one the controller started,
+    otherwise Prefect's test harness (started once: it takes seconds).
 
     Without it, each test that touches a task or flow would start its own temporary server.
     """
+    _prefect_console_follows_current_stderr()
+    if os.environ.get(_SHARED_API):
+        _wait_for_shared_api()
+        yield
+        return
     from prefect.testing.utilities import prefect_test_harness
 
-    _prefect_console_follows_current_stderr()
     with prefect_test_harness(server_startup_timeout=120):
         _prefect_console_follows_current_stderr()
         yield

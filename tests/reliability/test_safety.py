@@ -57,6 +57,12 @@ def test_ui_binds_to_loopback(monkeypatch, tmp_path):
     flows.cli.main(["ui", "--workdir", str(tmp_path), "--port", "5999"])
     cmd = seen["cmd"]
     assert cmd[cmd.index("--host") + 1] == "127.0.0.1"
+    assert cmd[cmd.index("--workers") + 1] == "1"  # one process: half MLflow's start-up time
+
+
+def test_ui_refuses_no_workers(capsys, tmp_path):
+    assert flows.cli.main(["ui", "--workdir", str(tmp_path), "--workers", "0"]) == 2
+    assert "--workers must be at least 1 (got 0)" in capsys.readouterr().err
 
 
 def test_documented_servers_bind_to_loopback():
