@@ -195,6 +195,8 @@ def compute(ctx: RunContext, out: Path, inputs: dict[str, Path]) -> StageOutput:
                                         "n_train_windows") if k in extra})
         if "selected" in extra or "params" in extra:  # neural: rate and seed; linear: C (n-grams)
             r["selected"] = extra.get("selected", extra.get("params"))
+        if "searched" in extra:  # the values a widened search tried (C)
+            r["searched"] = extra["searched"]
         if key in spread:
             r["test_macro_f1_seeds"] = spread[key]
     effects = pretraining_effects(results, predictions, cfg.bootstrap, cfg.seed)

@@ -134,15 +134,17 @@ PIPELINE: tuple[StageSpec, ...] = (
               sections=("finetune", "encode"),
               # v2: rate schedule, staged checks, validation on seen labels; v3: the head's
               # (and the encoder's) dropout masks from FastDropout's counter hash; v4: the
-              # class probabilities behind the predictions (probabilities.npz)
-              version=4),
+              # class probabilities behind the predictions (probabilities.npz); v5: the probe's C
+              # search widens past an end it chose (baselines.EDGE_STEPS)
+              version=5),
     # finetune's section: the same fractions, seed and training budget as the pretrained methods.
     StageSpec("baseline", inputs=("ingest/documents.parquet", "tokenizer/tokenizer.json",
                                   *LABELLED_INPUTS),
               sections=("baseline", "finetune", "model"), extra_params=_baseline_extras,
               # v2: rate schedule, validation on seen labels; v3: dropout masks from
-              # FastDropout's counter hash; v4: probabilities.npz
-              version=4),
+              # FastDropout's counter hash; v4: probabilities.npz; v5: C searches widen past an
+              # end they chose (baselines.EDGE_STEPS)
+              version=5),
     StageSpec("compare", inputs=(*(f"{stage}/{name}" for stage in ("finetune", "baseline")
                                    for name in ("predictions.parquet", "seed_predictions.parquet",
                                                 "results.json", "probabilities.npz")),
@@ -155,8 +157,9 @@ PIPELINE: tuple[StageSpec, ...] = (
               # the report's context: pretraining budget, corpus size, every stage's wall time
               manifests=("ingest", "dedup", "split", "tokenizer", "encode", "masks", "pretrain",
                          "finetune", "baseline"),
-              # v2: the ensemble row (the best pretrained method's probabilities with TF-IDF's)
-              version=2),
+              # v2: the ensemble row (the best pretrained method's probabilities with TF-IDF's);
+              # v3: a widened C search's own values decide whether its choice is an edge
+              version=3),
 )
 STAGE_NAMES: tuple[str, ...] = tuple(spec.name for spec in PIPELINE)
 

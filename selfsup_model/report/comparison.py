@@ -115,12 +115,14 @@ def narrow_grids(results: Sequence[Mapping[str, Any]],
 def _searched(results: Sequence[Mapping[str, Any]],
               grids: Mapping[str, Mapping[str, Sequence[float]]]):
     """(result, setting, the distinct values searched, ascending) for each setting a result
-    selected, results in (fraction, method) order."""
+    selected, results in (fraction, method) order. A result's own `searched` values (a C search
+    widened past its grid) stand in for its method's grid."""
     for r in sorted(results, key=lambda r: (float(r["fraction"]), str(r["method"]))):
         selected = r.get("selected")
         if not isinstance(selected, Mapping):
             continue
-        searched = {**grids.get("*", {}), **grids.get(str(r["method"]), {})}
+        searched = {**grids.get("*", {}), **grids.get(str(r["method"]), {}),
+                    **(r.get("searched") or {})}
         for setting, values in searched.items():
             if setting in selected:
                 yield r, setting, sorted({float(v) for v in values})

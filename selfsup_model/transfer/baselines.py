@@ -34,6 +34,13 @@ _TFIDF = "TF-IDF baseline"
 # the demo at 5/25/100% labels: saga 12.2x and Newton-CG 4.5x faster than lbfgs, validation
 # macro-F1 within 0.005 of it at every point.
 MAX_ITER = 1000
+# A C search whose choice lands on an end of its grid goes on past that end, one grid step at a
+# time (the ratio of the grid's last, or first, two values), while the new end is chosen, at most
+# this many steps per end: the selection stops at a value whose neighbours on both sides were
+# tried, or says it hit this bound (the compare stage lists it as an edge). Grids of one or two
+# values are fixed settings, not searches, and are not widened. The same for every method that
+# selects a C: the probe, TF-IDF and the sentence-embedding baseline.
+EDGE_STEPS = 2
 
 
 def logistic_regression(c: float, sparse_rows: bool) -> LogisticRegression:
@@ -56,6 +63,7 @@ class LogregResult:
     val_probabilities: np.ndarray = dataclasses.field(repr=False, compare=False, default=None)
     probabilities: dict[str, np.ndarray] = dataclasses.field(repr=False, compare=False,
                                                              default_factory=dict)
+    c_tried: tuple[float, ...] = ()  # every C fitted, ascending: the grid and its widening
 
 
 def logreg_on_features(
@@ -72,7 +80,9 @@ def logreg_on_features(
     """Logistic regression on fixed features (n, dim); C chosen by validation macro-F1 only.
 
     Fits `logistic_regression(c)` for each distinct C in ascending order. Ties go
-    to the smaller C (stronger regularisation, the simpler model). `eval_x` carry
+    to the smaller C (stronger regularisation, the simpler model). A grid of three or more
+    values whose choice lands on its largest (smallest) value is widened past that end (see
+    `EDGE_STEPS`); `grid` lists the widening's points with `"widened": True`. `eval_x` carry
     no labels: they are predicted once, after the choice. `what` names the caller
     in error messages. `val_owner` / `eval_owners[name]`, when a document has several
     rows: the document of each row (non-decreasing); a document's prediction is then the
@@ -83,16 +93,30 @@ def logreg_on_features(
     _check_features(what, train_x, train_y, val_x,
                     val_y if val_owner is None else val_y[np.asarray(val_owner)], eval_x, c_grid)
     start = time.perf_counter()
-    best: tuple[float, float, LogisticRegression, np.ndarray] | None = None
-    grid = []
-    for c in sorted(set(c_grid)):
+    fits: dict[float, tuple[float, LogisticRegression, np.ndarray]] = {}
+
+    def fit(c: float, widened: bool) -> None:
         clf = logistic_regression(c, sparse.issparse(train_x)).fit(train_x, train_y)
         val_proba = _probabilities(clf, val_x, val_owner)
-        f1 = macro_f1(val_y, _labels(clf, val_proba))
-        grid.append({"C": float(c), "val_macro_f1": f1})
-        if best is None or f1 > best[0]:  # strict: a tie keeps the smaller C
-            best = (f1, float(c), clf, val_proba)
-    f1, c, clf, val_proba = best
+        fits[c] = (macro_f1(val_y, _labels(clf, val_proba)), clf, val_proba)
+        grid.append({"C": c, "val_macro_f1": fits[c][0], **({"widened": True} if widened else {})})
+
+    def best_c() -> float:  # the best validation macro-F1; ties to the smaller C
+        return max(sorted(fits), key=lambda c: fits[c][0])
+
+    grid: list[dict[str, Any]] = []
+    values = sorted({float(c) for c in c_grid})
+    for c in values:
+        fit(c, widened=False)
+    if len(values) >= 3:
+        for end, step in ((-1, values[-1] / values[-2]), (0, values[0] / values[1])):
+            for _ in range(EDGE_STEPS):
+                tried = sorted(fits)
+                if best_c() != tried[end]:
+                    break
+                fit(float(f"{tried[end] * step:.6g}"), widened=True)  # 1000.0, not 999.99..
+    c = best_c()
+    f1, clf, val_proba = fits[c]
     fit_time = time.perf_counter() - start
     probabilities = {name: _probabilities(clf, x, eval_owners.get(name))
                      for name, x in eval_x.items()}
@@ -106,6 +130,7 @@ def logreg_on_features(
         model=clf,
         val_probabilities=val_proba,
         probabilities=probabilities,
+        c_tried=tuple(sorted(fits)),
     )
 
 

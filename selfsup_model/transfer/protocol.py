@@ -386,7 +386,8 @@ def text_baselines(data: LabelledData, texts: pd.Series, baseline: BaselineConfi
                            val_texts, val_labels, {"test": texts.loc[test.ids].tolist()}, baseline)
         out.add("tfidf_logreg", fraction, data, np.asarray(res.predictions["test"], dtype=str), {
             "n_train": len(subset), "val_macro_f1": res.val_macro_f1,
-            "train_time_s": round(res.fit_time_s, 3), "params": res.params},
+            "train_time_s": round(res.fit_time_s, 3), "params": res.params,
+            "searched": {"C": list(res.c_tried)}},
             probabilities=_logreg_probabilities(res, data.classes))
     return out
 
@@ -436,6 +437,7 @@ def features_probe(method: str, data: LabelledData, features: Mapping[str, np.nd
         out.add(method, fraction, data, np.asarray(res.predictions["test"], dtype=str), {
             "n_train": len(subset), "n_train_windows": int(rows.sum()),
             "val_macro_f1": res.val_macro_f1, "params": res.params,
+            "searched": {"C": list(res.c_tried)},
             "train_time_s": round(res.fit_time_s + feature_time_s, 3),
             "feature_time_s": round(feature_time_s, 3)},
             probabilities=_logreg_probabilities(res, data.classes))

@@ -91,6 +91,19 @@ def test_grid_edges_name_each_selection_at_an_end_of_its_grid():
     ]
 
 
+def test_a_widened_search_is_judged_on_the_values_it_tried():
+    grids = {"tfidf": {"C": (0.1, 1.0, 10.0, 100.0)}}
+    wide = [0.1, 1.0, 10.0, 100.0, 1000.0, 10000.0]
+    results = [  # 100 beat both neighbours once 1000 was tried; 10000 is where widening stopped
+        {"method": "tfidf", "fraction": 0.05, "selected": {"C": 100.0},
+         "searched": {"C": wide[:5]}},
+        {"method": "tfidf", "fraction": 0.25, "selected": {"C": 10000.0},
+         "searched": {"C": wide}},
+    ]
+    assert grid_edges(results, grids) == [
+        {"method": "tfidf", "fraction": 0.25, "setting": "C", "value": 10000.0, "end": "largest"}]
+
+
 def test_report_lists_grid_edges_or_says_there_are_none(tmp_path):
     table = predictions_table()
     results = [{**r, "selected": {"learning_rate": 3e-3 if r["method"] == "full" else 1e-3}}

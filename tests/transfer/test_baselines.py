@@ -228,3 +228,51 @@ def test_mlflow_gets_the_numeric_selections_and_the_report_the_named_ones():
     assert summary_metrics([summary]) == {f"{key}val_macro_f1": 0.5, f"{key}selected_C": 10.0,
                                           f"{key}selected_ngram_max": 2.0,
                                           f"{key}selected_sublinear_tf": 0.0}
+
+
+class _RightFirst:
+    """A stand-in classifier whose C decides how many validation rows it gets right: the rows
+    whose number (column 1) is below `right[C]` get their class (column 0), the rest the other."""
+
+    def __init__(self, right: dict[float, int], c: float):
+        self.k = right[c]
+
+    def fit(self, x, y):
+        self.classes_ = np.unique(y)
+        return self
+
+    def predict_proba(self, x):
+        true = x[:, 0].astype(int)
+        return np.eye(2)[np.where(x[:, 1] < self.k, true, 1 - true)]
+
+
+@pytest.mark.parametrize(("right", "grid", "chosen", "tried"), [
+    # the top of the grid wins, and so does each step past it: the bound (2 steps) stops it
+    ({0.1: 2, 1.0: 4, 10.0: 6, 100.0: 8, 1000.0: 10}, (0.1, 1.0, 10.0), 1000.0,
+     (0.1, 1.0, 10.0, 100.0, 1000.0)),
+    # one step past the top wins, the next loses: the choice has neighbours on both sides
+    ({0.1: 2, 1.0: 4, 10.0: 6, 100.0: 10, 1000.0: 8}, (0.1, 1.0, 10.0), 100.0,
+     (0.1, 1.0, 10.0, 100.0, 1000.0)),
+    # the bottom wins; a tie one step further goes to the smaller C, as everywhere
+    ({0.001: 10, 0.01: 10, 0.1: 8, 1.0: 6, 10.0: 4}, (0.1, 1.0, 10.0), 0.001,
+     (0.001, 0.01, 0.1, 1.0, 10.0)),
+    # inside the grid: nothing more is fitted
+    ({0.1: 2, 1.0: 10, 10.0: 6}, (0.1, 1.0, 10.0), 1.0, (0.1, 1.0, 10.0)),
+    # two values are a fixed pair, not a search: never widened
+    ({1.0: 4, 10.0: 6}, (1.0, 10.0), 10.0, (1.0, 10.0)),
+])
+def test_a_c_search_widens_past_the_end_it_chose(monkeypatch, right, grid, chosen, tried):
+    from selfsup_model.transfer import baselines
+
+    monkeypatch.setattr(baselines, "logistic_regression", lambda c, _: _RightFirst(right, c))
+    x = np.stack([np.arange(10) % 2, np.arange(10)], axis=1).astype(float)
+    y = np.arange(10) % 2
+    res = logreg_on_features(x, y, x, y, {}, grid)
+    assert res.params == {"C": chosen} and res.c_tried == tried
+    # By hand: with the first k of 10 alternating rows right, each class has k/2 true
+    # positives, (10 - k)/2 false positives and as many false negatives: F1 = k / 10.
+    assert {g["C"]: g["val_macro_f1"] for g in res.grid} == pytest.approx(
+        {c: right[c] / 10 for c in tried})
+    assert sorted(g["C"] for g in res.grid) == list(tried)
+    assert all(g.get("widened", False) == (g["C"] not in grid) for g in res.grid)
+    assert res.val_macro_f1 == pytest.approx(right[chosen] / 10)
