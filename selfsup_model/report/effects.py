@@ -11,7 +11,7 @@ them.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -48,18 +48,25 @@ def tie_rank(method: str) -> int:
     return CHEAPER_FIRST.index(method) if method in CHEAPER_FIRST else len(CHEAPER_FIRST)
 
 
+def best_pretrained(rows: Iterable[Mapping[str, Any]]) -> Mapping[str, Any] | None:
+    """The pretrained row (result or training summary) of highest validation macro-F1, a tie to
+    the cheaper method; None when no pretrained row has a validation score."""
+    candidates = [r for r in rows if str(r["method"]).startswith(PRETRAINED_PREFIX)
+                  and r.get("val_macro_f1") is not None]
+    if not candidates:
+        return None
+    return min(candidates, key=lambda r: (-float(r["val_macro_f1"]), tie_rank(r["method"])))
+
+
 def pretraining_effects(results: Sequence[Mapping[str, Any]], predictions: pd.DataFrame,
                         n_bootstrap: int = 1000, seed: int = 0) -> list[dict[str, Any]]:
     """Per fraction: best pretrained (on validation) minus each reference, paired, on test."""
     effects = []
     present = {(str(r["method"]), float(r["fraction"])) for r in results}
     for fraction in sorted({float(r["fraction"]) for r in results}):
-        candidates = [r for r in results if float(r["fraction"]) == fraction
-                      and str(r["method"]).startswith(PRETRAINED_PREFIX)
-                      and r.get("val_macro_f1") is not None]
-        if not candidates:
+        best = best_pretrained(r for r in results if float(r["fraction"]) == fraction)
+        if best is None:
             continue
-        best = min(candidates, key=lambda r: (-float(r["val_macro_f1"]), tie_rank(r["method"])))
         for reference in REFERENCES:
             if (reference, fraction) not in present:
                 continue

@@ -25,7 +25,7 @@ import numpy as np
 import pandas as pd
 
 from selfsup_model.errors import ArtifactError
-from selfsup_model.report.effects import PRETRAINED_PREFIX, tie_rank
+from selfsup_model.report.effects import best_pretrained
 from selfsup_model.report.metrics import macro_f1
 
 ENSEMBLE_METHOD = "ensemble_pretrained_tfidf"
@@ -69,13 +69,11 @@ def ensemble_rows(summaries: Sequence[Mapping[str, Any]], predictions: pd.DataFr
     """
     rows, out = [], []
     for fraction in sorted({float(s["fraction"]) for s in summaries}):
-        candidates = [s for s in summaries if float(s["fraction"]) == fraction
-                      and str(s["method"]).startswith(PRETRAINED_PREFIX)
-                      and probabilities_key(s["method"], fraction, "val") in arrays]
+        best = best_pretrained(s for s in summaries if float(s["fraction"]) == fraction
+                               and probabilities_key(s["method"], fraction, "val") in arrays)
         tfidf = probabilities_key(TFIDF_METHOD, fraction, "val")
-        if not candidates or tfidf not in arrays:
+        if best is None or tfidf not in arrays:
             continue
-        best = min(candidates, key=lambda s: (-float(s["val_macro_f1"]), tie_rank(s["method"])))
         member = str(best["method"])
         weight, val_f1, grid = choose_weight(
             arrays["val_y"], arrays[probabilities_key(member, fraction, "val")], arrays[tfidf],

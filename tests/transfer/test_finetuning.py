@@ -384,7 +384,7 @@ def test_the_probe_trains_on_the_rows_of_its_subsets_documents(monkeypatch):
         assert val_owner.tolist() == [0, 0] and eval_owners["test"].tolist() == [0]
         seen.append((x.ravel().tolist(), list(y), val_x.ravel().tolist()))
         return types.SimpleNamespace(predictions={"test": ["a"]}, val_macro_f1=1.0,
-                                     params={"C": 1.0}, fit_time_s=0.0,
+                                     params={"C": 1.0}, fit_time_s=0.0, c_tried=(1.0,),
                                      model=types.SimpleNamespace(classes_=np.array(["a", "b"])),
                                      val_probabilities=_first_class(1),
                                      probabilities={"test": _first_class(1)})
