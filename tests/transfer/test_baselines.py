@@ -247,7 +247,7 @@ class _RightFirst:
 
 
 @pytest.mark.parametrize(("right", "grid", "chosen", "tried"), [
-    # the top of the grid wins, and so does each step past it: the bound (2 steps) stops it
+    # the top of the grid wins, and so does each step past it: the bound (2 steps here) stops it
     ({0.1: 2, 1.0: 4, 10.0: 6, 100.0: 8, 1000.0: 10}, (0.1, 1.0, 10.0), 1000.0,
      (0.1, 1.0, 10.0, 100.0, 1000.0)),
     # one step past the top wins, the next loses: the choice has neighbours on both sides
@@ -265,6 +265,7 @@ def test_a_c_search_widens_past_the_end_it_chose(monkeypatch, right, grid, chose
     from selfsup_model.transfer import baselines
 
     monkeypatch.setattr(baselines, "logistic_regression", lambda c, _: _RightFirst(right, c))
+    monkeypatch.setattr(baselines, "EDGE_STEPS", 2)  # the bound, small enough to write out
     x = np.stack([np.arange(10) % 2, np.arange(10)], axis=1).astype(float)
     y = np.arange(10) % 2
     res = logreg_on_features(x, y, x, y, {}, grid)
@@ -276,3 +277,15 @@ def test_a_c_search_widens_past_the_end_it_chose(monkeypatch, right, grid, chose
     assert sorted(g["C"] for g in res.grid) == list(tried)
     assert all(g.get("widened", False) == (g["C"] not in grid) for g in res.grid)
     assert res.val_macro_f1 == pytest.approx(right[chosen] / 10)
+
+
+def test_the_widening_bound_is_four_steps_per_end(monkeypatch):
+    from selfsup_model.transfer import baselines
+
+    # every larger C gets one more row right: the search runs until the bound stops it
+    right = {10.0 ** e: 2 * (e + 2) for e in range(-1, 8)}  # of 20 rows: F1 = k / 20, rising
+    monkeypatch.setattr(baselines, "logistic_regression", lambda c, _: _RightFirst(right, c))
+    x = np.stack([np.arange(20) % 2, np.arange(20)], axis=1).astype(float)
+    res = logreg_on_features(x, np.arange(20) % 2, x, np.arange(20) % 2, {}, (0.1, 1.0, 10.0))
+    assert res.c_tried == (0.1, 1.0, 10.0, 100.0, 1000.0, 1e4, 1e5)  # 4 steps past 10
+    assert res.params == {"C": 1e5} and res.val_macro_f1 == pytest.approx(14 / 20)
