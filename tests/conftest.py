@@ -20,8 +20,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -156,17 +154,14 @@ def pytest_unconfigure(config):
 
 
 def _wait_for_shared_api(timeout: float = 180.0) -> None:
-    url, deadline = os.environ["PREFECT_API_URL"], time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.2)
-    log = Path(os.environ[_SHARED_API])
-    raise RuntimeError(f"the shared test Prefect API at {url} did not answer in {timeout:.0f} s; "
-                       f"its log ends: {log.read_text()[-2000:] if log.exists() else '(none)'}")
+    from tests.integration.servers import wait_healthy
+
+    try:
+        wait_healthy(os.environ["PREFECT_API_URL"], timeout)
+    except TimeoutError as exc:
+        log = Path(os.environ[_SHARED_API])
+        raise RuntimeError(f"the shared test Prefect API: {exc}; its log ends: "
+                           f"{log.read_text()[-2000:] if log.exists() else '(none)'}") from None
 
 
 @pytest.fixture(scope="session", autouse=True)

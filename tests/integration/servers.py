@@ -18,6 +18,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(url: str, timeout: float = 120.0) -> None:
+    """Poll `<url>/health` until it answers 200; TimeoutError after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.2)
+    raise TimeoutError(f"the server at {url} did not become healthy in {timeout:.0f} s")
+
+
 def stop_group(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
     """Signal the process group (the server and its workers, a run and its worker processes),
     even after the leader exited; kill what is left after 30 s."""

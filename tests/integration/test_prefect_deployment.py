@@ -14,7 +14,6 @@ import dataclasses
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,34 +24,17 @@ import pandas as pd
 import pytest
 
 from selfsup_model.serving.hf_export import check_export
+from tests.integration.servers import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 PREFECT = [sys.executable, "-m", "prefect"]
 pytestmark = pytest.mark.integration
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_healthy(url: str, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            time.sleep(1)
-    raise TimeoutError(f"Prefect server at {url} did not become healthy")
-
-
 @pytest.fixture(scope="module")
 def prefect_server(tmp_path_factory):
     home = tmp_path_factory.mktemp("prefect-home")
-    port = _free_port()
+    port = free_port()
     api = f"http://127.0.0.1:{port}/api"
     env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": api,
            "SELFSUP_HOME": str(ROOT),
@@ -64,7 +46,7 @@ def prefect_server(tmp_path_factory):
                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               start_new_session=True)
     try:
-        _wait_healthy(api)
+        wait_healthy(api)
         yield env, home
     finally:
         server.terminate()
