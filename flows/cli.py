@@ -343,7 +343,17 @@ def _cmd_ui(args: argparse.Namespace) -> int:
         print(f"Runs:    {ui_url(base, experiment.experiment_id)}", flush=True)
     cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri,
            "--host", "127.0.0.1", "--port", str(args.port), "--workers", str(args.workers)]
-    return subprocess.call(cmd)
+    return subprocess.call(cmd, env=mlflow_server_environment(os.environ))
+
+
+def mlflow_server_environment(environ) -> dict[str, str]:
+    """The environment of an MLflow server we start: without MLflow's job runner unless the
+    caller asks for it.
+
+    MLflow 3's server starts a job runner and three job-queue consumers (GenAI scorers, trace
+    roll-ups) beside the UI; this pipeline submits no jobs, and they cost eight more Python
+    processes, about 0.7 GB and 3-4 s before the UI answers (docs/operations.md)."""
+    return {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **environ}
 
 
 class _CurrentStderrHandler(logging.StreamHandler):

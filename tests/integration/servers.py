@@ -11,6 +11,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from flows.cli import mlflow_server_environment
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -58,7 +60,9 @@ def start_mlflow_server(backend: str, artifacts: Path, home: Path, port: int,
                         timeout: float = 180) -> subprocess.Popen:
     """`mlflow server` on 127.0.0.1:`port` over the `backend` store, artifacts proxied into
     `artifacts`, in its own session (stop it with `stop_group`); returns once /health answers."""
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    # Without MLflow's job runner, as `selfsup ui` and docs/operations.md start it.
+    env = mlflow_server_environment(
+        {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"})
     log = home / f"mlflow-server-{time.monotonic_ns()}.log"
     with open(log, "w") as out:
         server = subprocess.Popen(

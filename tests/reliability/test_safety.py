@@ -3,6 +3,7 @@ result pickles."""
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -52,12 +53,19 @@ def test_flows_persist_no_results():
 
 
 def test_ui_binds_to_loopback(monkeypatch, tmp_path):
-    seen = {}
-    monkeypatch.setattr("subprocess.call", lambda cmd: seen.setdefault("cmd", cmd) and 0)
+    seen = []
+    monkeypatch.setattr("subprocess.call", lambda cmd, env: seen.append((cmd, env)) and 0)
+    monkeypatch.delenv("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", raising=False)
     flows.cli.main(["ui", "--workdir", str(tmp_path), "--port", "5999"])
-    cmd = seen["cmd"]
+    monkeypatch.setenv("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "true")
+    flows.cli.main(["ui", "--workdir", str(tmp_path), "--port", "5999"])
+    (cmd, env), (_, asked) = seen
     assert cmd[cmd.index("--host") + 1] == "127.0.0.1"
     assert cmd[cmd.index("--workers") + 1] == "1"  # one process: half MLflow's start-up time
+    # Without MLflow's job runner and its queue consumers, unless the user asks for them.
+    assert env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] == "false"
+    assert asked["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] == "true"
+    assert env["PATH"] == os.environ["PATH"]  # the rest of the caller's environment
 
 
 def test_ui_refuses_no_workers(capsys, tmp_path):
