@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -325,8 +326,6 @@ def _report_rejects(rejects, read: int, shown: int = 20) -> None:
 def _cmd_ui(args: argparse.Namespace) -> int:
     if args.workers < 1:
         raise UserError(f"--workers must be at least 1 (got {args.workers})")
-    import subprocess
-
     from mlflow.tracking import MlflowClient
 
     from flows.settings import read_settings
@@ -343,7 +342,34 @@ def _cmd_ui(args: argparse.Namespace) -> int:
         print(f"Runs:    {ui_url(base, experiment.experiment_id)}", flush=True)
     cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri,
            "--host", "127.0.0.1", "--port", str(args.port), "--workers", str(args.workers)]
-    return subprocess.call(cmd, env=mlflow_server_environment(os.environ))
+    return serve_mlflow(cmd, mlflow_server_environment(os.environ))
+
+
+def serve_mlflow(cmd: list[str], env: dict[str, str], grace_s: float = 10.0) -> int:
+    """Run an MLflow server until it exits or this process is stopped; either way nothing of it
+    is left running.
+
+    `mlflow ui` is a launcher: the server is its uvicorn child (and that one's workers). Killing
+    the launcher alone, as `subprocess.call` does when interrupted, leaves the server answering
+    on its port. So the server gets a session of its own (a Ctrl-C at the terminal reaches
+    selfsup only), and its whole process group is sent SIGTERM on the way out, then SIGKILL
+    after `grace_s` seconds for whatever is left."""
+    import subprocess
+    import time
+
+    server = subprocess.Popen(cmd, env=env, start_new_session=True)
+    try:
+        return server.wait()
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # a group with no process left
+            os.killpg(server.pid, signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            while time.monotonic() < deadline:
+                os.killpg(server.pid, 0)  # raises once the group is empty
+                server.poll()  # reaps the launcher when it exits
+                time.sleep(0.1)
+            os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
 
 
 def mlflow_server_environment(environ) -> dict[str, str]:
@@ -450,8 +476,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USER_ERROR
     except (RunStopped, KeyboardInterrupt) as exc:
         signum = exc.signum if isinstance(exc, RunStopped) else signal.SIGINT
-        print(f"selfsup: stopped by {signal.Signals(signum).name}; completed stages are kept "
-              "and a rerun goes on from there", file=sys.stderr)
+        kept = ("; completed stages are kept and a rerun goes on from there"
+                if args.command == "run" else "")
+        print(f"selfsup: stopped by {signal.Signals(signum).name}{kept}", file=sys.stderr)
         return 128 + signum
 
 

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import shutil
-import socket
+import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -24,21 +26,29 @@ from pathlib import Path
 from mlflow.tracking import MlflowClient
 
 from flows.tracking import default_tracking_uri, ui_url
+from tests.integration.servers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@dataclasses.dataclass
+class ServedUI:
+    url: str
+    proc: subprocess.Popen  # `selfsup ui`
+    lines: list[str]  # its stdout and stderr (MLflow's access log included), drained as written
+    drain: threading.Thread
+
+    def output(self) -> str:
+        """Everything it wrote, once it has exited (the pipe closed)."""
+        self.drain.join(timeout=30)
+        return "".join(self.lines)
 
 
 @contextlib.contextmanager
-def serve_ui(workdir: Path) -> Iterator[str]:
-    """`selfsup ui` over the workdir's store on a free loopback port; yields its URL once it
-    answers, and stops it (its whole process group) on exit."""
+def serve_ui(workdir: Path) -> Iterator[ServedUI]:
+    """`selfsup ui` over the workdir's store on a free loopback port; yields it once it answers,
+    and stops it, as a user does (SIGTERM to selfsup), on exit if it still runs."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "ui", "--workdir", str(workdir),
@@ -58,9 +68,14 @@ def serve_ui(workdir: Path) -> Iterator[str]:
                 time.sleep(1)
         else:
             raise TimeoutError("MLflow UI did not start")
-        yield url
+        # Read on as it writes: a full pipe would block MLflow's access log, and the server.
+        lines = [first_line]
+        drain = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+        drain.start()
+        yield ServedUI(url, proc, lines, drain)
     finally:
-        os.killpg(proc.pid, 15)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
 
 
@@ -117,7 +132,8 @@ def take_doc_screenshots(workdir: Path, out: Path) -> list[Path]:
     parent = next(r for r in found if "mlflow.parentRunId" not in r.data.tags)
     _, _, finetune = stage_run(uri, "finetune")
     written = []
-    with serve_ui(workdir) as url:
+    with serve_ui(workdir) as served:
+        url = served.url
         driver = browser(1600, 1000)
         try:
             driver.get(ui_url(url, exp.experiment_id))

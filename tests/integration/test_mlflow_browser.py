@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
+import time
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -43,8 +46,8 @@ def mlflow_ui(tiny_run):
     """One MLflow UI for this module's tests (it takes tens of seconds to start)."""
     _require_browser()
     wd, uri, _ = tiny_run
-    with serve_ui(wd) as url:
-        yield url, uri
+    with serve_ui(wd) as served:
+        yield served.url, uri, served
 
 
 @pytest.fixture
@@ -61,7 +64,7 @@ def _click_text(driver, text: str) -> None:
 
 
 def test_parent_run_page_shows_metrics_and_report(mlflow_ui, driver, tmp_path):
-    url, uri = mlflow_ui
+    url, uri, _ = mlflow_ui
     client = MlflowClient(uri)
     exp = client.get_experiment_by_name("selfsup")
     parent = next(r for r in client.search_runs([exp.experiment_id])
@@ -82,7 +85,7 @@ def test_parent_run_page_shows_metrics_and_report(mlflow_ui, driver, tmp_path):
 
 def test_experiment_opens_on_the_runs_list(mlflow_ui, driver, tmp_path):
     """Not on the GenAI traces overview: the experiment is a model-training one."""
-    url, uri = mlflow_ui
+    url, uri, _ = mlflow_ui
     _, exp, runs = _runs(uri)
     parent = next(r for r in runs if "mlflow.parentRunId" not in r.data.tags)
     driver.get(ui_url(url, exp.experiment_id))
@@ -94,7 +97,7 @@ def test_experiment_opens_on_the_runs_list(mlflow_ui, driver, tmp_path):
 
 
 def test_stage_run_page_lists_the_splits_it_read(mlflow_ui, driver, tmp_path):
-    url, uri = mlflow_ui
+    url, uri, _ = mlflow_ui
     _, exp, finetune = stage_run(uri, "finetune")
     datasets = {i.dataset.name: i.dataset for i in finetune.inputs.dataset_inputs}
     assert set(datasets) == {"train", "val", "test"}
@@ -114,7 +117,7 @@ def test_stage_run_page_lists_the_splits_it_read(mlflow_ui, driver, tmp_path):
 
 
 def test_the_kept_classifier_shows_as_a_logged_and_registered_model(mlflow_ui, driver, tmp_path):
-    url, uri = mlflow_ui
+    url, uri, _ = mlflow_ui
     client, exp, finetune = stage_run(uri, "finetune")
     (model,) = client.search_logged_models(experiment_ids=[exp.experiment_id])
     assert model.source_run_id == finetune.info.run_id and model.status == "READY"
@@ -134,3 +137,29 @@ def test_the_kept_classifier_shows_as_a_logged_and_registered_model(mlflow_ui, d
     # the Model Registry page
     driver.get(f"{url}/#/models")
     wait_for_text(driver, ["Registered Models", "selfsup-classifier", f"Version {version}"])
+
+
+def test_stopping_the_ui_leaves_no_server_behind(mlflow_ui):
+    """Last in this module: it stops the module's UI. SIGTERM to `selfsup ui` alone (what
+    `kill`, systemd or a terminal's Ctrl-C send) ends it with status 143 within seconds and takes
+    MLflow with it: the `mlflow ui` launcher, its uvicorn server and workers, all in a session
+    of their own; none is left and the port is free. (Killing the launcher alone, as selfsup
+    once did, left uvicorn answering on the port.)"""
+    import psutil
+
+    url, _, served = mlflow_ui
+    server = psutil.Process(served.proc.pid).children(recursive=True)
+    assert any("uvicorn" in " ".join(p.cmdline()) for p in server), [p.cmdline() for p in server]
+    assert all(os.getsid(p.pid) != os.getsid(served.proc.pid) for p in server)  # own session
+    started = time.monotonic()
+    served.proc.send_signal(signal.SIGTERM)
+    assert served.proc.wait(timeout=30) == 128 + signal.SIGTERM
+    _, alive = psutil.wait_procs(server, timeout=5)
+    assert not alive, [p.cmdline() for p in alive]
+    assert time.monotonic() - started < 15
+    assert "selfsup: stopped by SIGTERM\n" in served.output()  # no word of stages
+    port = int(url.rsplit(":", 1)[1])
+    with socket.socket() as sock:  # nothing listens there (TIME_WAIT aside)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port))
+        sock.listen()

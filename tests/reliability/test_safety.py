@@ -54,7 +54,7 @@ def test_flows_persist_no_results():
 
 def test_ui_binds_to_loopback(monkeypatch, tmp_path):
     seen = []
-    monkeypatch.setattr("subprocess.call", lambda cmd, env: seen.append((cmd, env)) and 0)
+    monkeypatch.setattr(flows.cli, "serve_mlflow", lambda cmd, env: seen.append((cmd, env)) or 0)
     monkeypatch.delenv("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", raising=False)
     flows.cli.main(["ui", "--workdir", str(tmp_path), "--port", "5999"])
     monkeypatch.setenv("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "true")
