@@ -43,6 +43,9 @@ SETTINGS: dict[str, dict[str, str]] = {
     "rtd-vocab-8k": {"pretrain.objective": "rtd", "pretrain.contrastive_weight": "0",
                      "tokenizer.vocab_size": "8192"},
     "select-0.25": {"masks.select_rate": "0.25", "masks.max_predictions": "18"},
+    "mlm-cooc": {"pretrain.embedding_init": "cooccurrence"},  # the demo's, counted embeddings
+    "mlm-cooc-no-contrastive": {"pretrain.embedding_init": "cooccurrence",
+                                "pretrain.contrastive_weight": "0"},
     "rtd-select-0.25": {"pretrain.objective": "rtd", "pretrain.contrastive_weight": "0",
                         "masks.select_rate": "0.25", "masks.max_predictions": "18"},
 }

@@ -208,6 +208,13 @@ class PretrainConfig(_Section):
                     "windows (InfoNCE). 0: the objective's loss alone.")
     contrastive_temperature: float = Field(0.05, gt=0.0, le=1.0,
                                            description="InfoNCE temperature of that term.")
+    embedding_init: Literal["random", "cooccurrence"] = Field(
+        "random",
+        description="How a fresh encoder's token embeddings start. random: the truncated normal "
+                    "of every other weight; cooccurrence: the top model.hidden dimensions of "
+                    "the SVD of the training windows' positive PMI matrix (pairs of tokens up "
+                    "to 4 apart, weighted 1/distance), at the random rows' scale. Seconds on "
+                    "the demo; not used when continuing another encoder.")
     seed: int = 42
     init_from: str | None = Field(
         None, description="Continue pretraining from another selfsup run: its workdir or its "

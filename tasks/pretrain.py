@@ -39,7 +39,7 @@ def compute(ctx: RunContext, out: Path, inputs: dict[str, Path]) -> StageOutput:
               "real_tokens_seen": result.real_tokens_seen,
               "scored_tokens": int(result.scored_tokens), "empty_batches": result.empty_batches,
               "resumed_from_step": result.resumed_from_step, "train_windows": int(windows.shape[0]),
-              "initialised_from": init.describe() if init else "random initialisation"}
+              "initialised_from": init.describe() if init else fresh_start(ctx.config.pretrain)}
     if ctx.config.pretrain.objective == "rtd":  # scored_tokens above are its generator's
         counts["detection_scored_tokens"] = int(result.detection_scored_tokens)
     metrics = {**result.val_metrics, "val/unigram_baseline_loss": result.unigram_baseline_loss,
@@ -47,6 +47,13 @@ def compute(ctx: RunContext, out: Path, inputs: dict[str, Path]) -> StageOutput:
                "train/real_tokens_per_s": result.real_tokens_per_s}
     outputs = OUTPUTS + ([DETECTION_FILE] if ctx.config.pretrain.objective == "rtd" else [])
     return StageOutput(outputs, counts, metrics, log_artifacts=["history.json", "loss_curve.png"])
+
+
+def fresh_start(cfg: PretrainConfig) -> str:
+    """What an encoder that continues no other starts from (`pretrain.embedding_init`)."""
+    if cfg.embedding_init == "cooccurrence":
+        return "random initialisation, token embeddings from co-occurrence counts"
+    return "random initialisation"
 
 
 def _pretrain(ctx: RunContext, out: Path, inputs: dict[str, Path]):
@@ -58,7 +65,7 @@ def _pretrain(ctx: RunContext, out: Path, inputs: dict[str, Path]):
     init = resolve_init_source(cfg.pretrain.init_from) if cfg.pretrain.init_from else None
     snapshot, why = warm_start(ctx)
     if why:
-        log.info("pretrain: from random initialisation (%s)", why)
+        log.info("pretrain: from %s (%s)", fresh_start(ctx.config.pretrain), why)
     if snapshot is not None:  # a later corpus version: continue the last version's encoder
         init = resolve_init_source(str(snapshot))
         windows, doc_offsets, pretrain_cfg, counts = _continuation(ctx, snapshot, windows,

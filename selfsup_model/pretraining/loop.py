@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import math
 import sys
+import time
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -32,6 +33,7 @@ from selfsup_model.nn.model import (
     build_pretraining_model,
     build_rtd_export_model,
     build_rtd_model,
+    token_embedding_of,
     with_dropout,
 )
 from selfsup_model.nn.optimizers import SelectiveAdamW, WarmupDecay
@@ -62,6 +64,7 @@ from selfsup_model.pretraining.devices import (
     resolve_precision,
     xla_dropout_warning,
 )
+from selfsup_model.pretraining.embedding_init import cooccurrence_embeddings
 from selfsup_model.pretraining.evaluation import (
     detection_corruption,
     unigram_log_probs,
@@ -166,7 +169,8 @@ def _pretrain(train_windows, val_masks, vocab_size: int, model_cfg: ModelConfig,
         if writer:
             for stale in [*ckpt_dir.glob("ckpt-*.keras"), ckpt_dir / LATEST, ckpt_dir / JOURNAL]:
                 stale.unlink(missing_ok=True)
-        model = _fresh_model(vocab_size, max_len, model_cfg, cfg, total, init, tokenizer_sha256)
+        model = _fresh_model(vocab_size, max_len, model_cfg, cfg, total, init, tokenizer_sha256,
+                             train_windows)
         start_step, initial_epoch, state = 0, 0, None
     else:
         model = load_keras_model(record["path"])  # safe_mode=True
@@ -178,7 +182,7 @@ def _pretrain(train_windows, val_masks, vocab_size: int, model_cfg: ModelConfig,
     if processes > 1:
         with no_distribution():
             host = _fresh_model(vocab_size, max_len, model_cfg, cfg, total, init,
-                                tokenizer_sha256)
+                                tokenizer_sha256)  # its weights come from `model` (sync_host)
 
     def sync_host() -> None:
         if host is not model:  # replicated weights: each process reads its own replica
@@ -257,13 +261,16 @@ def _check_val_masks(val_masks, max_len: int) -> None:
 
 
 def _fresh_model(vocab_size: int, max_len: int, model_cfg: ModelConfig, cfg: PretrainConfig,
-                 total: int, init: InitSource | None = None, tokenizer_sha256: str | None = None):
+                 total: int, init: InitSource | None = None, tokenizer_sha256: str | None = None,
+                 train_windows=None):
     keras.utils.set_random_seed(cfg.seed)
     causal = cfg.objective == "clm"
     if init is None:
         backbone = build_backbone(vocab_size, max_len, model_cfg, causal=causal,
                                   dtype=resolve_precision(cfg.mixed_precision), seed=cfg.seed,
                                   documents=cfg.packing)
+        if cfg.embedding_init == "cooccurrence" and train_windows is not None:
+            _initialise_from_counts(backbone, train_windows, cfg.seed)
         return _compiled(_objective_model(backbone, model_cfg, cfg, cfg.seed), cfg, total)
     source = load_keras_model(init.pretrain_model)  # safe_mode=True, bytes verified by sha256
     source_rtd = getattr(source, "objective", None) == "rtd"
@@ -290,6 +297,19 @@ def _fresh_model(vocab_size: int, max_len: int, model_cfg: ModelConfig, cfg: Pre
     else:
         model.head.set_weights(source.head.get_weights())  # the objective head continues too
     return _compiled(model, cfg, total)
+
+
+def _initialise_from_counts(backbone, train_windows, seed: int) -> None:
+    """Token embeddings from the training windows' co-occurrence counts
+    (`pretrain.embedding_init=cooccurrence`)."""
+    embedding = token_embedding_of(backbone).token_embedding
+    random_rows = ops.convert_to_numpy(embedding.embeddings)
+    start = time.perf_counter()
+    rows, counted = cooccurrence_embeddings(train_windows, random_rows.shape[0],
+                                            random_rows.shape[1], random_rows, seed=seed)
+    embedding.embeddings.assign(rows.astype(random_rows.dtype))
+    log.info("pretrain: %d of %d token embeddings initialised from co-occurrence counts in "
+             "%.1f s (the rest stay random)", counted, rows.shape[0], time.perf_counter() - start)
 
 
 def _objective_model(backbone, model_cfg: ModelConfig, cfg: PretrainConfig, seed: int | None):
