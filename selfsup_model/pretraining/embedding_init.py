@@ -5,20 +5,21 @@ off the corpus in seconds: which tokens occur near which. `cooccurrence_embeddin
 for every pair of real (non-special) tokens within `window` positions of each other in a
 training window, a weight of 1/distance; turns the symmetric counts into positive pointwise
 mutual information with the context distribution smoothed (counts ** 0.75, Levy, Goldberg and
-Dagan 2015); and keeps the top `hidden` dimensions of its truncated SVD, U * sqrt(S), rescaled
-to the random initialiser's standard deviation. Tokens that never co-occur (and the special
-tokens) keep their random rows.
+Dagan 2015); and keeps the top `hidden` dimensions of its truncated SVD (ARPACK, exact),
+U * sqrt(S), rescaled to the random initialiser's standard deviation. Tokens that never
+co-occur (and the special tokens) keep their random rows.
 
 Counting is vectorised per offset over chunks of windows into a sparse matrix, so memory is
 bounded by the distinct pairs, not by vocab_size ** 2. Deterministic for a given input and
-seed (the SVD's random projection is seeded; signs are fixed by sklearn's flip).
+seed: the SVD's start vector is seeded and each vector's sign fixed. numpy and scipy only:
+the pretraining library does not import scikit-learn (tests/pretraining/test_imports.py).
 """
 
 from __future__ import annotations
 
 import numpy as np
 import scipy.sparse as sp
-from sklearn.utils.extmath import randomized_svd
+from scipy.sparse.linalg import svds
 
 from selfsup_model.text.specials import NUM_SPECIAL
 
@@ -83,11 +84,22 @@ def cooccurrence_embeddings(windows, vocab_size: int, hidden: int, random_rows: 
     rank = min(hidden, len(seen) - 1)
     if rank < 1:
         return out, 0
-    u, s, _ = randomized_svd(matrix[seen][:, seen], n_components=rank, n_iter=5,
-                             random_state=seed)
+    u, s = top_singular_vectors(matrix[seen][:, seen], rank, seed)
     vectors = u * np.sqrt(s)  # (seen, rank): the symmetric split of the singular values
     full = np.zeros((len(seen), hidden))
     full[:, :rank] = vectors
     scale = float(random_rows.std()) / max(float(full.std()), 1e-12)
     out[seen] = (full * scale).astype(np.float32)
     return out, len(seen)
+
+
+def top_singular_vectors(matrix, rank: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """The `rank` leading left singular vectors (n, rank) and values of a sparse (n, m) matrix,
+    largest first: ARPACK from a seeded start vector, so to machine precision and repeatable.
+    Each vector's sign makes its largest-magnitude entry positive."""
+    start = np.random.default_rng(seed).standard_normal(min(matrix.shape))
+    vectors, values, _ = svds(matrix, k=rank, v0=start, solver="arpack")
+    order = np.argsort(-values, kind="stable")
+    vectors, values = vectors[:, order], values[order]
+    signs = np.sign(vectors[np.abs(vectors).argmax(axis=0), np.arange(rank)])
+    return vectors * np.where(signs == 0, 1.0, signs), values

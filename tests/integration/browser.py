@@ -93,12 +93,13 @@ def browser(width: int = 1600, height: int = 1200):
     return webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=opts)
 
 
-def wait_for_text(driver, texts, timeout=60) -> str:
-    """The page's text once it shows every one of `texts`."""
+def wait_for_text(driver, texts, timeout=60, until=None) -> str:
+    """The page's text once it shows every one of `texts` (and `until(text)` holds: a table
+    whose header renders before its rows)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         body = driver.find_element("tag name", "body").text
-        if all(t in body for t in texts):
+        if all(t in body for t in texts) and (until is None or until(body)):
             return body
         time.sleep(1)
     raise AssertionError(f"page never showed {texts}; it showed:\n{body[:3000]}")

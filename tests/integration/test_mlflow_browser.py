@@ -125,10 +125,14 @@ def test_the_kept_classifier_shows_as_a_logged_and_registered_model(mlflow_ui, d
     # the finetune run's page: its logged model in "Logged models (1)", and the registered
     # version under "Registered models" in "About this run" (not "None")
     driver.get(ui_url(url, exp.experiment_id, finetune.info.run_id))
+    def logged(body: str) -> str:  # the table's header and row
+        return body[body.index("Logged models (1)"):][:400]
+
+    # The header renders before the row (a clean-clone run once read the page in between).
     body = wait_for_text(driver, ["Logged models (1)",
-                                   f"Registered models\nselfsup-classifier\nv{version}"])
-    logged = body[body.index("Logged models (1)"):][:400]  # the table's header and row
-    assert "classifier" in logged and "Ready" in logged, logged
+                                   f"Registered models\nselfsup-classifier\nv{version}"],
+                         until=lambda text: "Ready" in logged(text))
+    assert "classifier" in logged(body) and "Ready" in logged(body), logged(body)
     driver.save_screenshot(str(tmp_path / "mlflow-finetune-run.png"))
     # the experiment's Models tab: the logged model, ready, logged from the finetune run
     driver.get(f"{url}/#/experiments/{exp.experiment_id}/models?workflowType=machine_learning")

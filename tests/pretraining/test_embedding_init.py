@@ -12,6 +12,7 @@ from selfsup_model.pretraining.embedding_init import (
     cooccurrence_counts,
     cooccurrence_embeddings,
     ppmi,
+    top_singular_vectors,
 )
 from selfsup_model.text.specials import CLS_ID, NUM_SPECIAL, PAD_ID, SEP_ID
 from tests.pretraining.test_pretraining import tiny_run, topic_windows
@@ -127,3 +128,16 @@ def test_the_manifest_says_what_a_fresh_encoder_started_from():
     assert fresh_start(PretrainConfig()) == "random initialisation"
     assert fresh_start(PretrainConfig(embedding_init="cooccurrence")) == (
         "random initialisation, token embeddings from co-occurrence counts")
+
+
+def test_the_truncated_svd_is_the_exact_one_with_fixed_signs():
+    rng = np.random.default_rng(0)
+    dense = np.where(rng.random((40, 40)) < 0.3, rng.random((40, 40)), 0.0)
+    vectors, values = top_singular_vectors(sp.csr_matrix(dense), 6, seed=1)
+    exact_u, exact_s, _ = np.linalg.svd(dense)
+    np.testing.assert_allclose(values, exact_s[:6], rtol=1e-10)
+    for k in range(6):  # the same vector up to sign, and the sign puts the largest entry up
+        assert abs(vectors[:, k] @ exact_u[:, k]) == pytest.approx(1.0, abs=1e-8)
+        assert vectors[np.abs(vectors[:, k]).argmax(), k] > 0
+    again, _ = top_singular_vectors(sp.csr_matrix(dense), 6, seed=1)
+    np.testing.assert_array_equal(vectors, again)
