@@ -83,7 +83,6 @@ class HfExport:
     out: Path
     architecture: str  # "BertForMaskedLM" or "MegatronBertForMaskedLM"
     files: dict[str, str]  # name -> sha256
-    bytes: int
 
 
 # ------------------------------------------------------------------------------ weights
@@ -414,8 +413,7 @@ def write_hf_checkpoint(export_model, tokenizer, out: str | Path, run: RunInfo) 
     except BaseException:
         shutil.rmtree(staged, ignore_errors=True)
         raise
-    size = sum(p.stat().st_size for p in out.iterdir())
-    return HfExport(out, architecture, digests, size)
+    return HfExport(out, architecture, digests)
 
 
 def check_export(out: str | Path) -> dict[str, Any]:
