@@ -467,7 +467,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for noisy in ("httpx", "httpcore", "alembic", "mlflow.store"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
-        with stop_signals():
+        # Only a pipeline run has stages to unwind to a safe point; `ui` stops MLflow's server,
+        # the other commands just end.
+        with stop_signals("stopping at a safe point" if args.command == "run" else "stopping"):
             return COMMANDS[args.command](args)
     except UserError as exc:
         if args.debug:

@@ -31,17 +31,18 @@ class RunStopped(SystemExit):
 
 
 @contextlib.contextmanager
-def stop_signals() -> Iterator[None]:
+def stop_signals(doing: str = "stopping at a safe point") -> Iterator[None]:
     """SIGTERM and SIGINT raise RunStopped (the first time: also when Prefect's engine delivers
     a SIGTERM again after its flow run unwound; a second signal while stopping ends the process
-    and its children at once, `tasks.stopping.stop_now`)."""
+    and its children at once, `tasks.stopping.stop_now`). `doing` is what the first signal's
+    warning says happens next (`tasks.stopping.stopping`)."""
     received: list[int] = []
 
     def handler(signum: int, frame) -> None:
         if received:  # already stopping
             stop_now(signum)
         received.append(signum)
-        stopping(signum)  # from here the next signal stops at once
+        stopping(signum, doing)  # from here the next signal stops at once
         raise RunStopped(signum)
 
     if threading.current_thread() is not threading.main_thread():

@@ -107,9 +107,11 @@ def is_stopping() -> bool:
     return _state.stopping
 
 
-def stopping(cause: BaseException | int | None = None) -> None:
+def stopping(cause: BaseException | int | None = None,
+             doing: str = "stopping at a safe point") -> None:
     """The run is stopping (`cause`: the signal, or the exception it raised): from now on a
-    SIGTERM or SIGINT stops it at once. Idempotent.
+    SIGTERM or SIGINT stops it at once. Idempotent. `doing` is what the warning says the
+    process does now: a pipeline run stops at a safe point; another command just stops.
 
     Prefect's engine restores the SIGTERM handler it replaced before it delivers the signal
     again (`flows.shutdown.stop_signals`' handler, which knows this is the first signal);
@@ -122,7 +124,7 @@ def stopping(cause: BaseException | int | None = None) -> None:
         else getattr(cause, "signal", None) or getattr(cause, "signum", None)
         or _noted())
     what = signal.Signals(signum).name if signum else "a stop signal"
-    log.warning("selfsup: %s: stopping at a safe point (send another to stop at once)", what)
+    log.warning("selfsup: %s: %s (send another to stop at once)", what, doing)
     if threading.current_thread() is threading.main_thread():
         for sig in STOP_SIGNALS:
             signal.signal(sig, _at_once)

@@ -162,6 +162,9 @@ def test_stopping_the_ui_leaves_no_server_behind(mlflow_ui):
     assert not alive, [p.cmdline() for p in alive]
     assert time.monotonic() - started < 15
     assert "selfsup: stopped by SIGTERM\n" in served.output()  # no word of stages
+    # nor of a safe point, which only a pipeline run has
+    assert "SIGTERM: stopping (send another to stop at once)" in served.output()
+    assert "safe point" not in served.output()
     port = int(url.rsplit(":", 1)[1])
     with socket.socket() as sock:  # nothing listens there (TIME_WAIT aside)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
