@@ -20,6 +20,7 @@ from selfsup_model.nn.layers import DocumentMask, PaddingMask, document_ids, doc
 from selfsup_model.nn.model import (
     build_backbone,
     build_pretraining_model,
+    build_rtd_model,
     separates_documents,
     with_dropout,
 )
@@ -133,6 +134,47 @@ def test_a_packed_mlm_batch_gives_each_document_its_unpacked_loss():
             compared += 1
         assert len(docs) >= 1
     assert compared >= 6 and max(len(_docs_of(row)) for row in x["input_ids"]) >= 2
+
+
+def test_a_packed_rtd_batch_gives_each_document_its_unpacked_generator_and_detector():
+    """Replaced-token detection packed: each document's generator logits at its selected
+    positions, the tokens drawn there (the same uniform draws), and the discriminator's logit
+    and replaced flag at every one of its positions are what the document alone in a row
+    gets."""
+    keras.utils.set_random_seed(0)
+    model = build_rtd_model(build_backbone(V, L, MODEL, seed=2, documents=True), MODEL,
+                            generator_blocks=1, rtd_weight=50.0, seed=2)
+    data = PretrainBatches(varied(40, seed=6), objective="rtd", batch_size=4, total_steps=30,
+                           seed=3, masking=MaskingConfig(max_predictions=12, select_rate=0.3),
+                           vocab_size=V, packing=True)
+    x, y, w = data.batch_for_step(1)
+    generated, detected, replaced = (np_(t) for t in model(x, training=False)[:3])
+    compared, swapped = 0, 0
+    for r, ids_row in enumerate(x["original_ids"]):
+        docs = _docs_of(ids_row)
+        for start, end in docs:
+            slots = (w[r] > 0) & (x["mask_positions"][r] >= start) & (x["mask_positions"][r] < end)
+            alone = {key: np.zeros((1, x[key].shape[1]), dtype=x[key].dtype)
+                     for key in ("mask_positions", "mask_weights", "sample_uniform")}
+            for key in ("input_ids", "original_ids"):
+                alone[key] = np.full((1, L), PAD_ID, dtype=np.int32)
+                alone[key][0, :end - start] = x[key][r, start:end]
+            n = int(slots.sum())
+            # the generator's targets are the original tokens at the selected positions
+            np.testing.assert_array_equal(y[r][slots], ids_row[x["mask_positions"][r][slots]])
+            alone["mask_positions"][0, :n] = x["mask_positions"][r][slots] - start
+            alone["mask_weights"][0, :n] = x["mask_weights"][r][slots]
+            alone["sample_uniform"][0, :n] = x["sample_uniform"][r][slots]
+            got = [np_(t) for t in model(alone, training=False)[:3]]
+            np.testing.assert_allclose(got[0][0, :n], generated[r][slots], atol=1e-5)
+            np.testing.assert_allclose(got[1][0, :end - start], detected[r, start:end],
+                                       atol=1e-5)
+            np.testing.assert_array_equal(got[2][0, :end - start], replaced[r, start:end])
+            assert replaced[r, start] == 0 and ids_row[start] == CLS_ID  # never drawn over
+            compared += 1
+            swapped += int(replaced[r, start:end].sum())
+    assert compared >= 6 and swapped > 0
+    assert max(len(_docs_of(row)) for row in x["original_ids"]) >= 2
 
 
 def test_a_packed_clm_batch_gives_each_document_its_unpacked_loss():
