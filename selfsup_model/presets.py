@@ -84,7 +84,9 @@ PRESETS: dict[str, dict[str, Any]] = {
                      "jit": "on"},
         # Embedding ~13k docstrings with MiniLM costs ~4 minutes on 2 cores: opt in with
         # --set baseline.sentence_embeddings=auto (or on) when the `embeddings` extra is installed.
-        # TF-IDF searches its whole default grid (C 0.1/1/10/100 x 1-2-grams): seconds with saga.
+        # TF-IDF searches its whole default grid (C 0.1/1/10/100, widened past an end it
+        # chooses, x word 1-2-grams and character 2-5-grams): seconds for words with saga, a
+        # minute or two for characters with Newton-CG (benchmarks/README.md).
         "baseline": {"sentence_embeddings": "off"},
     },
     # GPU scale.

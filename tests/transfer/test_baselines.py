@@ -34,7 +34,8 @@ def order_corpus(n, seed):
     return texts, np.array(labels)
 
 
-CFG = BaselineConfig(tfidf_c=(0.1, 10.0), tfidf_ngram_max=(1, 2))
+# The word path (character features have tests of their own below).
+CFG = BaselineConfig(tfidf_c=(0.1, 10.0), tfidf_ngram_max=(1, 2), tfidf_features=("word",))
 
 
 def test_tfidf_picks_params_by_validation_only():
@@ -107,6 +108,7 @@ def test_the_grid_runs_simplest_first_and_character_features_win_where_they_read
     val_x, val_y = suffix_corpus(20, 1)
     result = tfidf_logreg(train_x, train_y, val_x, val_y, {}, cfg)
     assert result.params["features"] == "char" and result.val_macro_f1 == pytest.approx(1.0)
+    assert result.model.solver == "newton-cg"  # character rows: Newton-CG (tfidf_solver)
     assert max(g["val_macro_f1"] for g in result.grid if g["features"] == "word") < 0.8
     assert len(result.grid) == 6 * 2
 
@@ -139,6 +141,7 @@ def test_tfidf_is_logreg_on_features_at_the_chosen_ngram_range():
                            {"test": vec.transform(test_x)}, CFG.tfidf_c)
     word2 = {"features": "word", "sublinear_tf": True, "ngram_max": 2}
     assert a.params == {**b.params, **word2} and a.val_macro_f1 == b.val_macro_f1
+    assert a.model.solver == b.model.solver == "saga"  # word rows stay with saga
     assert [g for g in a.grid if g["ngram_max"] == 2] == [{**g, **word2} for g in b.grid]
     np.testing.assert_array_equal(a.val_predictions, b.val_predictions)
     np.testing.assert_array_equal(a.predictions["test"], b.predictions["test"])
@@ -264,7 +267,7 @@ class _RightFirst:
 def test_a_c_search_widens_past_the_end_it_chose(monkeypatch, right, grid, chosen, tried):
     from selfsup_model.transfer import baselines
 
-    monkeypatch.setattr(baselines, "logistic_regression", lambda c, _: _RightFirst(right, c))
+    monkeypatch.setattr(baselines, "logistic_regression", lambda c, *_: _RightFirst(right, c))
     monkeypatch.setattr(baselines, "EDGE_STEPS", 2)  # the bound, small enough to write out
     x = np.stack([np.arange(10) % 2, np.arange(10)], axis=1).astype(float)
     y = np.arange(10) % 2
@@ -284,7 +287,7 @@ def test_the_widening_bound_is_four_steps_per_end(monkeypatch):
 
     # every larger C gets one more row right: the search runs until the bound stops it
     right = {10.0 ** e: 2 * (e + 2) for e in range(-1, 8)}  # of 20 rows: F1 = k / 20, rising
-    monkeypatch.setattr(baselines, "logistic_regression", lambda c, _: _RightFirst(right, c))
+    monkeypatch.setattr(baselines, "logistic_regression", lambda c, *_: _RightFirst(right, c))
     x = np.stack([np.arange(20) % 2, np.arange(20)], axis=1).astype(float)
     res = logreg_on_features(x, np.arange(20) % 2, x, np.arange(20) % 2, {}, (0.1, 1.0, 10.0))
     assert res.c_tried == (0.1, 1.0, 10.0, 100.0, 1000.0, 1e4, 1e5)  # 4 steps past 10
