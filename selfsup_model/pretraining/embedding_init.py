@@ -55,7 +55,6 @@ def cooccurrence_counts(windows, vocab_size: int, window: int, chunk: int = 8192
 
 def ppmi(counts: sp.csr_matrix) -> sp.csr_matrix:
     """Positive PMI of a symmetric count matrix, with the context distribution smoothed."""
-    counts = counts.tocsr(copy=True)
     row = np.asarray(counts.sum(axis=1)).ravel()
     grand = row.sum()
     if grand <= 0:
