@@ -34,7 +34,7 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workdir", default=DEFAULT_WORKDIR,
                    help="where stage outputs go [default: %(default)s]")
     p.add_argument("--preset", choices=sorted(PRESETS),
-                   help="size preset: tiny (tests), demo (7-22 min on 2 CPU cores), base (GPU) "
+                   help="size preset: tiny (tests), demo (9-25 min on 2 CPU cores), base (GPU) "
                         f"[default: {_LAST} demo]")
     p.add_argument("--config", dest="config_file",
                    help="YAML file with config sections overriding the preset")

@@ -34,7 +34,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "baseline": {"tfidf_c": [1.0], "tfidf_ngram_max": [1], "bag_dim": 16, "sentence_c": [1.0]},
         "compare": {"bootstrap": 50},
     },
-    # The default: the whole pipeline on the embedded corpus in about 7-22 minutes on 2 CPU
+    # The default: the whole pipeline on the embedded corpus in about 9-25 minutes on 2 CPU
     # cores, depending on the host (docs/performance.md), about half of it pretraining.
     "demo": {
         "ingest": {"pydocs_max_per_library": 1500},
