@@ -35,7 +35,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "compare": {"bootstrap": 50},
     },
     # The default: the whole pipeline on the embedded corpus in about 9-25 minutes on 2 CPU
-    # cores, depending on the host (docs/performance.md), about half of it pretraining.
+    # cores, depending on the host (docs/performance.md), a third to a half of it pretraining.
     "demo": {
         "ingest": {"pydocs_max_per_library": 1500},
         "tokenizer": {"vocab_size": 4096},
